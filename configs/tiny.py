@@ -1,0 +1,31 @@
+"""The book's tiny gpt-oss: 4 layers, 16 experts (top-2), vocab 8,000, trained on local code.
+
+    python -m llm_jax.train --config configs/tiny.py --config.train.num_steps=100
+"""
+
+import ml_collections
+
+from llm_jax.config import ModelConfig
+from llm_jax.run_config import default_run_config
+
+
+def get_config() -> ml_collections.ConfigDict:
+    model = ModelConfig(
+        num_hidden_layers=4,
+        num_experts=16,
+        experts_per_token=2,
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=256,
+        head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=0,
+        initial_context_length=4096,
+        rope_theta=10000.0,
+        rope_scaling_factor=32.0,
+        rope_ntk_alpha=1.0,
+        rope_ntk_beta=32.0,
+        swiglu_limit=7.0,
+    )
+    return default_run_config("tiny", model)

@@ -1,0 +1,60 @@
+"""The run config: model, data, train and checkpoint sections in one ml_collections ConfigDict.
+
+`configs/*.py` return it from `get_config()`; the CLI loads it with `--config` and overrides any
+field as `--config.train.num_steps=10`. The `model` section holds exactly the fields of
+`ModelConfig` and is turned into one with `model_config(cfg)`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from llm_jax.config import ModelConfig
+
+
+def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDict:
+    """Defaults shared by every config file; a config changes what differs."""
+    cfg = ml_collections.ConfigDict()
+    cfg.name = name
+    cfg.seed = 0
+    cfg.model = ml_collections.ConfigDict(model.to_dict())
+
+    cfg.data = ml_collections.ConfigDict()
+    cfg.data.tfds_name = ""  # any TFDS text dataset by name (needs internet), e.g. "lm1b"
+    cfg.data.text_key = "text"  # feature holding the text in a TFDS dataset
+    cfg.data.files = ""  # a glob of local text files; "" = the Python standard library's .py files
+    cfg.data.data_dir = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
+    cfg.data.validation_fraction = 0.02  # local text: share of files (by path hash) held out
+    cfg.data.seq_len = 256
+    cfg.data.shuffle_seed = 0
+    cfg.data.worker_count = 0  # Grain worker processes; 0 = load in the main process
+    cfg.data.prefetch = 2  # batches read ahead by a background thread
+    cfg.data.tokenizer_train_bytes = 20_000_000  # text used to train the BPE tokenizer
+
+    cfg.train = ml_collections.ConfigDict()
+    cfg.train.num_steps = 1000
+    cfg.train.batch_size = 8  # global batch, in sequences
+    cfg.train.grad_accum_steps = 1
+    cfg.train.learning_rate = 3e-3
+    cfg.train.warmup_steps = 100
+    cfg.train.min_lr_ratio = 0.1  # cosine decay ends at learning_rate * min_lr_ratio
+    cfg.train.weight_decay = 0.1
+    cfg.train.b1 = 0.9
+    cfg.train.b2 = 0.95
+    cfg.train.grad_clip_norm = 1.0
+    cfg.train.load_balancing_loss_weight = 0.01
+    cfg.train.router_z_loss_weight = 1e-3
+    cfg.train.log_every_steps = 10
+    cfg.train.eval_every_steps = 200
+    cfg.train.eval_batches = 8
+
+    cfg.checkpoint = ml_collections.ConfigDict()
+    cfg.checkpoint.every_steps = 250
+    cfg.checkpoint.max_to_keep = 3
+    cfg.checkpoint.async_save = True
+    return cfg
+
+
+def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
+    """The `model` section as a validated ModelConfig (unknown fields are refused by name)."""
+    return ModelConfig.from_dict(cfg.model.to_dict())
