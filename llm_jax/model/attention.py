@@ -1,0 +1,118 @@
+"""Grouped-query attention with RoPE, learned sinks, causal mask and an optional sliding window.
+
+Shapes: B batch, T query time, S key time, D hidden, N q heads, K kv heads, G = N / K q heads per
+kv head, H head_dim. Query head n reads kv head n // G.
+
+The sink is one learned logit per query head appended as an extra column of every score row (not
+scaled by 1/sqrt(H)); the softmax runs over the row including it and the column is dropped, so
+rows sum to less than 1 and a head can attend to "nothing" (gpt-oss, after Xiao et al. 2023).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from llm_jax.config import ModelConfig
+from llm_jax.model.params import normal, param, zeros
+from llm_jax.model.rope import apply_rope, rope_cos_sin
+
+_MASKED = -1e30  # finite, so a row with every key masked still has its sink and no NaN
+
+
+def attention_mask(
+    q_positions_BT: jax.Array,
+    kv_positions_BS: jax.Array,
+    window: jax.Array | int,
+    q_segment_ids_BT: jax.Array | None = None,
+    kv_segment_ids_BS: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean [B, T, S]: key j is visible to query i iff pos_j <= pos_i, within the window
+    (pos_i - pos_j < window, when window > 0) and in the same segment (segment 0 = padding)."""
+    qp = q_positions_BT[:, :, None]
+    kp = kv_positions_BS[:, None, :]
+    visible = kp <= qp
+    window = jnp.asarray(window)
+    visible &= (window <= 0) | (qp - kp < window)
+    if kv_segment_ids_BS is not None:
+        ks = kv_segment_ids_BS[:, None, :]
+        qs = ks if q_segment_ids_BT is None else q_segment_ids_BT[:, :, None]
+        visible &= (qs == ks) & (ks != 0)
+    return visible
+
+
+def attend(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    sinks_N: jax.Array,
+    mask_BTS: jax.Array,
+) -> jax.Array:
+    """Softmax attention with sinks; scores and softmax in float32. Returns [B, T, N, H]."""
+    b, t, n, h = q_BTNH.shape
+    k_heads = k_BSKH.shape[2]
+    g = n // k_heads
+    q_BTKGH = q_BTNH.reshape(b, t, k_heads, g, h)
+    scores_BKGTS = jnp.einsum(
+        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+    ) * (h ** -0.5)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, _MASKED)
+    sinks_BKGT1 = jnp.broadcast_to(
+        sinks_N.astype(jnp.float32).reshape(1, k_heads, g, 1, 1), (b, k_heads, g, t, 1)
+    )
+    logits = jnp.concatenate([scores_BKGTS, sinks_BKGT1], axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)[..., :-1]
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v_BSKH.dtype), v_BSKH)
+    return out_BTKGH.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+    """q/k/v/o projections (all with bias) around `attend`; the window is a per-layer input."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        init, pd = normal(cfg.initializer_range), cfg.weight_dtype
+        out_init = normal(cfg.initializer_range / (2 * cfg.num_hidden_layers) ** 0.5)
+        self.q_proj = param(rngs, init, (d, n, h), ("embed", "heads", "head_dim"), pd)
+        self.q_bias = param(rngs, zeros, (n, h), ("heads", "head_dim"), pd)
+        self.k_proj = param(rngs, init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.k_bias = param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd)
+        self.v_proj = param(rngs, init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_bias = param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd)
+        self.o_proj = param(rngs, out_init, (n, h, d), ("heads", "head_dim", "embed"), pd)
+        self.o_bias = param(rngs, zeros, (d,), ("embed",), pd)
+        self.sinks = param(rngs, zeros, (n,), ("heads",), jnp.float32)
+
+    def qkv(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, ...]:
+        """Projected q [B,T,N,H] and k, v [B,T,K,H], RoPE applied to q and k."""
+        cdt = self.cfg.compute_dtype
+        x = x_BTD.astype(cdt)
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(cdt)) + self.q_bias[...].astype(cdt)
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(cdt)) + self.k_bias[...].astype(cdt)
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(cdt)) + self.v_bias[...].astype(cdt)
+        cos, sin = rope_cos_sin(positions_BT, self.cfg)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o_BTNH: jax.Array) -> jax.Array:
+        cdt = self.cfg.compute_dtype
+        return jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(cdt)) \
+            + self.o_bias[...].astype(cdt)
+
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        window: jax.Array | int,
+        segment_ids_BT: jax.Array | None = None,
+    ) -> jax.Array:
+        cfg = self.cfg
+        b, t, _ = x_BTD.shape
+        chex.assert_shape(positions_BT, (b, t))
+        q, k, v = self.qkv(x_BTD, positions_BT)
+        mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
+        o = attend(q, k, v, self.sinks[...], mask)
+        chex.assert_shape(o, (b, t, cfg.num_attention_heads, cfg.head_dim))
+        return self.out(o)

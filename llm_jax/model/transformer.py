@@ -1,0 +1,116 @@
+"""The gpt-oss Transformer: embedding, L pre-norm blocks (attention, MoE), final norm, unembedding.
+
+Shapes: B batch, T time, D hidden, V vocab, L layers, E experts.
+
+The L blocks are created stacked (every weight gets a leading `layers` axis) and run with one
+`jax.lax.scan`, so compile time does not grow with depth. Even and odd layers differ only in
+their sliding window, which is scanned as data next to the weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from llm_jax.config import ModelConfig
+from llm_jax.model.attention import Attention
+from llm_jax.model.moe import MoE, MoEAux
+from llm_jax.model.norm import make_norm
+from llm_jax.model.params import normal, param
+
+
+class Block(nnx.Module):
+    """x + attention(norm(x)), then x + moe(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = make_norm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = make_norm(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        window: jax.Array | int,
+        segment_ids_BT: jax.Array | None = None,
+    ) -> tuple[jax.Array, MoEAux]:
+        x = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, window, segment_ids_BT)
+        y, aux = self.mlp(self.mlp_norm(x))
+        return x + y, aux
+
+
+class Transformer(nnx.Module):
+    """The whole network. `model(tokens)` -> float32 logits [B, T, V]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = cfg.weight_dtype
+        self.embedding = param(rngs, normal(cfg.initializer_range),
+                               (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        self.layers = make_blocks(rngs)
+        self.norm = make_norm(cfg, rngs=rngs)
+        self.unembedding = param(rngs, normal(cfg.initializer_range),
+                                 (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+
+    def hidden_states(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        segment_ids_BT: jax.Array | None = None,
+    ) -> tuple[jax.Array, MoEAux]:
+        """Final-normed hidden states [B, T, D] and per-layer MoE aux (leading axis L)."""
+        cfg = self.cfg
+        chex.assert_rank(tokens_BT, 2)
+        b, t = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = self.embedding[...].astype(cfg.compute_dtype)[tokens_BT]
+        windows_L = jnp.asarray(cfg.layer_windows, jnp.int32)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(x_BTD: jax.Array, xs: tuple[Any, jax.Array]) -> tuple[jax.Array, MoEAux]:
+            state, window = xs
+            return nnx.merge(graphdef, state)(x_BTD, positions_BT, window, segment_ids_BT)
+
+        if cfg.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        x, aux = jax.lax.scan(body, x, (layer_state, windows_L))
+        chex.assert_shape(x, (b, t, cfg.hidden_size))
+        return self.norm(x), aux
+
+    def logits(self, h_BTD: jax.Array) -> jax.Array:
+        cdt = self.cfg.compute_dtype
+        return jnp.einsum("BTD,VD->BTV", h_BTD.astype(cdt), self.unembedding[...].astype(cdt),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        segment_ids_BT: jax.Array | None = None,
+        *,
+        return_aux: bool = False,
+    ) -> jax.Array | tuple[jax.Array, MoEAux]:
+        h, aux = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT)
+        logits = self.logits(h)
+        return (logits, aux) if return_aux else logits
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStruct leaves: shapes and counts without allocating memory."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
