@@ -1,0 +1,104 @@
+"""Transformer: scanned layers equal an unrolled loop, windows alternate, dtypes, param counts."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from llm_jax.config import ModelConfig
+from llm_jax.model import abstract_model, init_model
+
+SMALL = ModelConfig(num_hidden_layers=3, num_experts=4, experts_per_token=2, vocab_size=97,
+                    hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=4, moe_dispatch="dense")
+
+
+def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
+    model = init_model(SMALL, seed=1)
+    tokens = jax.random.randint(jax.random.key(0), (2, 11), 0, SMALL.vocab_size)
+    logits = nnx.jit(model)(tokens)
+
+    graphdef, state = nnx.split(model.layers)
+
+    @jax.jit
+    def unrolled(state, embedding, unembedding):
+        x = embedding[tokens]
+        pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
+        for i in range(SMALL.num_hidden_layers):
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+            x, _ = layer(x, pos, SMALL.layer_window(i))
+        return model.norm(x) @ unembedding.T
+
+    ref = unrolled(state, model.embedding[...], model.unembedding[...])
+    np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
+    assert SMALL.layer_windows == (4, 0, 4)
+
+
+def test_logits_are_float32_and_aux_is_per_layer():
+    model = init_model(SMALL)
+    logits, aux = model(jnp.zeros((2, 5), jnp.int32), return_aux=True)
+    assert logits.shape == (2, 5, 97) and logits.dtype == jnp.float32
+    assert aux.load_balancing_loss.shape == (3,)
+    assert aux.expert_load.shape == (3, 4)
+    np.testing.assert_allclose(aux.expert_load.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_bfloat16_compute_is_close_to_float32():
+    model = init_model(SMALL, seed=2)
+    bf16 = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(SMALL, dtype="bfloat16"))),
+                     nnx.state(model))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, SMALL.vocab_size)
+    ref, out = nnx.jit(model)(tokens), nnx.jit(bf16)(tokens)
+    assert out.dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(out - ref))) < 0.05 * float(jnp.max(jnp.abs(ref))) + 1e-3
+
+
+def test_only_relative_positions_matter():
+    model = init_model(SMALL, seed=3)
+    tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, SMALL.vocab_size)
+    forward = nnx.jit(lambda m, t, p: m(t, positions_BT=p))
+    a = forward(model, tokens, jnp.arange(6)[None])
+    shifted = forward(model, tokens, jnp.arange(6)[None] + 1000)
+    np.testing.assert_allclose(a, shifted, rtol=1e-4, atol=1e-4)  # RoPE: q.k sees m - n only
+    spread = forward(model, tokens, 2 * jnp.arange(6)[None])
+    assert float(jnp.max(jnp.abs(a - spread))) > 1e-3
+
+
+def test_remat_gives_the_same_gradients():
+    tokens = jax.random.randint(jax.random.key(4), (2, 7), 0, SMALL.vocab_size)
+
+    def grads(cfg):
+        model = init_model(cfg, seed=4)
+        g, p = nnx.split(model)
+        return jax.jit(jax.grad(lambda p: nnx.merge(g, p)(tokens).sum()))(p)
+
+    for a, b in zip(jax.tree.leaves(grads(SMALL)),
+                    jax.tree.leaves(grads(dataclasses.replace(SMALL, remat=True)))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _closed_form_param_count(c: ModelConfig) -> int:
+    d, n, k, h, e, f, v = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                           c.head_dim, c.num_experts, c.intermediate_size, c.vocab_size)
+    attn = d * (n + 2 * k) * h + (n + 2 * k) * h + n * h * d + d + n
+    moe = d * e + e + e * (d * 2 * f + 2 * f + f * d + d)
+    return 2 * v * d + d + c.num_hidden_layers * (attn + moe + 2 * d)
+
+
+@pytest.mark.parametrize("cfg", [
+    ModelConfig(),
+    ModelConfig(num_hidden_layers=24, num_experts=32, experts_per_token=4, vocab_size=201088,
+                hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                num_key_value_heads=8, sliding_window=128, rope_theta=150000.0),
+    ModelConfig(num_hidden_layers=36, num_experts=128, experts_per_token=4, vocab_size=201088,
+                hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                num_key_value_heads=8, sliding_window=128, rope_theta=150000.0),
+], ids=["tiny", "20b", "120b"])
+def test_param_count_from_eval_shape_matches_closed_form(cfg):
+    abstract = abstract_model(cfg)
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing allocated
+    assert sum(x.size for x in leaves) == _closed_form_param_count(cfg)
