@@ -1,0 +1,228 @@
+"""describe: counts match the real model and the published totals, FLOPs match XLA, KV cache and
+memory arithmetic, clear errors, and the CLI."""
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from llm_jax import describe as d
+from llm_jax.config import ModelConfig
+from llm_jax.model import abstract_model
+from llm_jax.run_config import model_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_config(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def model(name):
+    return model_config(run_config(name))
+
+
+def component_of(path):
+    """The describe component a parameter path belongs to, read from the model's names."""
+    name = path[-2] if path[-1] == "value" else path[-1]
+    if "attn_norm" in path or "mlp_norm" in path or path[0] == "norm":
+        return "norms"
+    if "attn" in path:
+        return {"sinks": "sinks"}.get(name, name[0])  # q_proj, q_bias -> q, ...
+    if "mlp" in path:
+        return "router" if name.startswith("router") else "experts"
+    return name  # embedding, unembedding
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt_oss_20b", "gpt_oss_120b"])
+def test_param_counts_equal_eval_shape_sizes_of_the_real_model(name):
+    cfg = model(name)
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    measured = dict.fromkeys(d.PARAM_COMPONENTS, 0)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        keys = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+        measured[component_of(keys)] += int(np.prod(leaf.shape))
+    assert d.param_counts(cfg) == measured
+    assert d.total_params(cfg) == sum(measured.values())
+
+
+def test_layernorm_counts_its_bias():
+    cfg = ModelConfig(norm_type="layer")
+    leaves = jax.tree.leaves(nnx.state(abstract_model(cfg), nnx.Param))
+    assert d.total_params(cfg) == sum(int(np.prod(x.shape)) for x in leaves)
+
+
+@pytest.mark.parametrize("name, total, active", [("gpt_oss_20b", 20.9e9, 3.6e9),
+                                                 ("gpt_oss_120b", 116.8e9, 5.1e9)])
+def test_totals_and_active_match_openai_model_card_within_1_percent(name, total, active):
+    # Active excludes the embedding (a lookup) and includes the unembedding (a matmul): 3.608B and
+    # 5.133B. Counting both tables would give 4.19B / 5.71B, neither 3.03B / 4.55B.
+    cfg = model(name)
+    assert d.total_params(cfg) == pytest.approx(total, rel=0.01)
+    assert d.active_params(cfg) == pytest.approx(active, rel=0.01)
+
+
+def xla_forward_flops_per_token(cfg, batch, seq_len):
+    graphdef, state = nnx.split(abstract_model(cfg))
+
+    def forward(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    cost = jax.jit(forward).lower(state, tokens).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return cost["flops"] / (batch * seq_len)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dense"])
+@pytest.mark.parametrize("vocab", [8000, 512], ids=["tiny_vocab", "small_vocab"])
+def test_forward_flops_agree_with_xla_cost_analysis(dispatch, vocab):
+    # What XLA runs differs from model FLOPs in two ways, both accounted for by
+    # `executed_forward_flops_per_token`: the einsum attention computes all T x T scores (the mask
+    # is applied after), and the dispatch runs more expert FLOPs than k per token: "capacity"
+    # computes every one of its E x C slots, filled or not (factor 2 -> 2x the active expert
+    # FLOPs), "dense" all E experts (E/k = 8x). "ragged" is left out: on CPU XLA lowers
+    # ragged_dot to dense work, so its cost says nothing about the grouped matmul of TPU/GPU.
+    # One layer: cost_analysis counts the body of the layers' lax.scan (a while loop) once, not
+    # num_hidden_layers times. The small vocab makes the layers, not the unembedding, dominate.
+    cfg = ModelConfig(num_hidden_layers=1, vocab_size=vocab, moe_dispatch=dispatch)
+    batch, seq_len = 2, 128
+    xla = xla_forward_flops_per_token(cfg, batch, seq_len)
+    ours = d.executed_forward_flops_per_token(cfg, seq_len, batch)
+    # Measured: 0.4-1.0% below XLA, which also counts the elementwise work (softmax, SwiGLU,
+    # norms, RoPE) that the formula leaves out.
+    assert ours == pytest.approx(xla, rel=0.02)
+    # The model FLOPs differ from the executed ones only by those two accountable terms.
+    expert_flops = 2 * 3 * cfg.hidden_size * cfg.intermediate_size
+    extra_slots = d.expert_slots_per_token(cfg, batch * seq_len) - cfg.experts_per_token
+    masked = d.attention_flops_per_token(cfg, seq_len, skip_masked=False) \
+        - d.attention_flops_per_token(cfg, seq_len)
+    assert ours - d.forward_flops_per_token(cfg, seq_len) == pytest.approx(
+        extra_slots * expert_flops + masked)
+
+
+def test_keys_attended_is_the_mean_of_the_visible_mask():
+    for t, w in [(1, 0), (7, 0), (256, 0), (10, 4), (4, 10), (300, 128), (128, 128)]:
+        i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+        visible = (j <= i) & ((w == 0) | (i - j < w))
+        assert d.keys_attended(t, w) == pytest.approx(visible.sum() / t)
+
+
+def test_training_flops_are_three_forwards_and_attention_caps_at_the_window():
+    cfg = model("gpt_oss_20b")
+    t = 4096
+    fwd = d.matmul_flops_per_token(cfg) + d.attention_flops_per_token(cfg, t)
+    assert d.flops_per_token(cfg, t, training=False) == fwd
+    assert d.flops_per_token(cfg, t) == 3 * fwd
+    # Doubling T doubles the full layers' attention and leaves the sliding layers' nearly as is.
+    full_only = cfg.replace(sliding_window=0)
+    n, h, half = cfg.num_attention_heads, cfg.head_dim, cfg.num_hidden_layers // 2
+    sliding_part = d.attention_flops_per_token(cfg, t) - half * 4 * n * h * (t + 1) / 2
+    assert sliding_part < 4 * n * h * 128 * half
+    assert d.attention_flops_per_token(full_only, t) > 10 * sliding_part
+    assert "matmul" in d.flops_formula(cfg, t) and "T_eff" in d.flops_formula(cfg, t)
+
+
+def test_kv_cache_is_k_and_v_of_every_layer_and_sliding_layers_cap_at_the_window():
+    cfg = model("gpt_oss_20b")  # bf16, K=8, H=64, W=128 on the 12 even layers
+    per_position = 8 * 64 * 2 * 2
+    assert d.kv_cache_lengths(cfg, 100) == (100,) * 24
+    assert d.kv_cache_lengths(cfg, 1000) == (128, 1000) * 12
+    assert d.kv_cache_bytes(cfg, 1000, batch=3) == 3 * 12 * (128 + 1000) * per_position
+    # Past the window, each new token adds one entry to the 12 full layers only: linear growth.
+    assert d.kv_cache_bytes(cfg, 2001) - d.kv_cache_bytes(cfg, 2000) == 12 * per_position
+    assert d.kv_cache_bytes(cfg, 1, dtype=jnp.float32) == 24 * 8 * 64 * 2 * 4
+
+
+def test_kv_table_runs_from_1k_to_the_yarn_context_and_prices_gqa_and_the_window():
+    cfg = model("gpt_oss_20b")
+    table = d.kv_cache_table(cfg)
+    assert [r["context"] for r in table] == [1024 * 2 ** i for i in range(8)]  # ... 131072
+    last = table[-1]
+    assert last["mha_bytes"] / last["gqa_no_window_bytes"] == 64 / 8
+    assert last["gqa_no_window_bytes"] / last["bytes"] == pytest.approx(2, rel=1e-3)
+    tiny = model("tiny")  # no window: GQA alone saves N / K = 2
+    assert {r["saving_vs_mha"] for r in d.kv_cache_table(tiny)} == {2.0}
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("gpu=2", "axis 'gpu' is unknown"),
+    ("fsdp=x", "expected a positive integer"),
+    ("fsdp=2.5", "expected a positive integer"),
+    ("fsdp=0", "expected a positive integer"),
+    ("fsdp", "expected AXIS=SIZE"),
+    ("fsdp=2,fsdp=4", "given twice"),
+])
+def test_bad_mesh_is_refused_by_name(spec, message):
+    with pytest.raises(ValueError, match=message):
+        d.parse_mesh(spec)
+
+
+def test_memory_shards_weights_by_the_mesh_and_the_batch_over_data_and_fsdp():
+    cfg = model("gpt_oss_120b")
+    one = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=d.parse_mesh(""))
+    leaves = jax.tree.leaves(nnx.state(abstract_model(cfg), nnx.Param))
+    assert one["params"] == sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+    assert one["adam_m_v"] == 8 * d.total_params(cfg)
+    eight = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=d.parse_mesh("fsdp=8"))
+    for key in ("params", "grads", "adam_m_v", "activations"):
+        assert eight[key] == pytest.approx(one[key] / 8)
+    ep = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=d.parse_mesh("expert=8"))
+    assert ep["activations"] == one["activations"]
+    assert one["params"] / 8 < ep["params"] < one["params"] / 7  # experts are ~98% of params
+    with pytest.raises(ValueError, match="multiple of data x fsdp = 16"):
+        d.memory_per_device(cfg, batch=8, seq_len=256, mesh=d.parse_mesh("data=2,fsdp=8"))
+
+
+def test_remat_saves_activation_memory():
+    cfg = model("gpt_oss_20b")
+    plain = d.activation_bytes_per_token(cfg, 4096, 8 * 4096)
+    remat = d.activation_bytes_per_token(cfg.replace(remat=True), 4096, 8 * 4096)
+    assert remat < plain / 5
+
+
+def test_every_model_field_has_a_description():
+    assert set(d.FIELD_DOCS) == {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = [f["field"] for f in d.describe(run_config("tiny"))["fields"]]
+    assert len(fields) == len(set(fields)) and "model.vocab_size" in fields
+
+
+def test_unknown_override_is_named_with_the_known_fields():
+    with pytest.raises(ValueError, match="config.model has no field 'num_expert'.*num_experts"):
+        d.check_overrides(run_config("tiny"), ["--config.model.num_expert=3"])
+    d.check_overrides(run_config("tiny"), ["--config.model.num_experts=3", "--json"])
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "llm_jax.describe", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_json_is_the_same_data_as_the_functions():
+    out = cli("--config", "configs/tiny.py", "--config.model.num_experts=32", "--seq_len=512",
+              "--mesh", "data=2,fsdp=2", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    cfg = model("tiny").replace(num_experts=32)
+    assert report["params"]["components"] == d.param_counts(cfg)
+    assert report["params"]["active"] == d.active_params(cfg)
+    assert report["flops_per_token"]["training"] == d.flops_per_token(cfg, 512)
+    assert report["memory_per_device"]["mesh"]["fsdp"] == 2
+    assert report["memory_per_device"]["tokens_per_device"] == 8 // 4 * 512
+
+
+def test_cli_unknown_field_is_a_clear_error_not_a_traceback():
+    out = cli("--config", "configs/tiny.py", "--config.model.not_a_field=3")
+    assert out.returncode != 0
+    assert "no field 'not_a_field'" in out.stderr and "Traceback" not in out.stderr
