@@ -314,8 +314,9 @@ def kv_cache_table(cfg: ModelConfig, *, batch: int = 1) -> list[dict[str, Any]]:
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 MEMORY_ASSUMPTIONS = (
-    "weights: every parameter sharded over fsdp; heads, kv heads, mlp and vocab also over "
-    "tensor; experts also over expert (router, expert weights); ideal division, no padding",
+    "weights (as the logical-axis rules of llm_jax.sharding): embed over fsdp (taken here as "
+    "every parameter: the few embed-less biases and sinks are negligible); heads, kv heads, mlp "
+    "and vocab over tensor; experts over expert (router, expert weights); ideal division",
     "grads in param dtype; Adam m and v in float32, sharded like the params",
     "activations sharded over data x fsdp (the batch); tensor and expert sharding of "
     "activations ignored (an upper bound)",
