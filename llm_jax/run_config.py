@@ -22,13 +22,15 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.data = ml_collections.ConfigDict()
     cfg.data.tfds_name = ""  # any TFDS text dataset by name (needs internet), e.g. "lm1b"
     cfg.data.text_key = "text"  # feature holding the text in a TFDS dataset
+    cfg.data.tfds_train_split = "train"
+    cfg.data.tfds_eval_split = ""  # "" = "validation" if the dataset has it, else "test"
     cfg.data.files = ""  # a glob of local text files; "" = the Python standard library's .py files
     cfg.data.data_dir = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
     cfg.data.validation_fraction = 0.02  # local text: share of files (by path hash) held out
     cfg.data.seq_len = 256
     cfg.data.shuffle_seed = 0
     cfg.data.worker_count = 0  # Grain worker processes; 0 = load in the main process
-    cfg.data.prefetch = 2  # batches read ahead by a background thread
+    cfg.data.prefetch = 2  # batches read ahead by a background thread; 0 = none
     cfg.data.tokenizer_train_bytes = 20_000_000  # text used to train the BPE tokenizer
 
     cfg.train = ml_collections.ConfigDict()

@@ -1,0 +1,10 @@
+"""Data: text sources (local files or TFDS), the BPE tokenizer, and the Grain batch pipeline.
+
+The trainer calls `make_datasets(cfg.data, workdir=..., vocab_size=..., global_batch_size=...)`.
+"""
+
+from llm_jax.data.config import DataConfig
+from llm_jax.data.pipeline import Data, make_datasets
+from llm_jax.data.tokenizer import Tokenizer, utf8_len
+
+__all__ = ["Data", "DataConfig", "Tokenizer", "make_datasets", "utf8_len"]
