@@ -1,0 +1,23 @@
+"""llm_jax: a gpt-oss-style mixture-of-experts language model in JAX/Flax NNX.
+
+Public entry points (imported lazily, so `import llm_jax` stays cheap):
+`ModelConfig`, `Transformer`, `load_pretrained`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ModelConfig": "llm_jax.config",
+    "Transformer": "llm_jax.model.transformer",
+    "load_pretrained": "llm_jax.checkpoint_io",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'llm_jax' has no attribute {name!r}")

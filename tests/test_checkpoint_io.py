@@ -1,0 +1,310 @@
+"""Checkpoint I/O without torch: bitwise round trips through every format, config mapping, the
+errors bad inputs raise (each naming the bad thing), and the convert CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from llm_jax import ModelConfig, Transformer, load_pretrained
+from llm_jax import checkpoint_io as cio
+from llm_jax.convert import main as convert_main
+
+CFG = ModelConfig(
+    num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=128, hidden_size=64,
+    intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+    sliding_window=8, rope_theta=10000.0,
+)
+
+
+def random_model(cfg: ModelConfig = CFG, seed: int = 0) -> Transformer:
+    _, targets = cio._abstract_targets(cfg)
+    rng = np.random.default_rng(seed)
+    return cio.model_from_params(
+        cfg, {k: rng.normal(size=t.shape).astype(t.dtype) for k, t in targets.items()})
+
+
+def assert_same_params(a, b) -> None:
+    pa, pb = cio.flat_params(a), cio.flat_params(b)
+    assert sorted(pa) == sorted(pb)
+    for k in pa:
+        assert pa[k].dtype == pb[k].dtype, k
+        np.testing.assert_array_equal(pa[k].view(np.uint8), pb[k].view(np.uint8), err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return random_model()
+
+
+@pytest.fixture
+def hf_dir(model, tmp_path) -> Path:
+    return cio.save_hf(model, tmp_path / "hf")
+
+
+# ---------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_llm_jax_checkpoint_round_trip_is_bitwise(param_dtype, tmp_path):
+    cfg = CFG.replace(param_dtype=param_dtype, dtype=param_dtype, moe_dispatch="dense")
+    m = random_model(cfg)
+    cio.save_llm_jax(m, tmp_path)
+    back = load_pretrained(tmp_path)
+    assert back.cfg == cfg
+    assert_same_params(m, back)
+
+
+@pytest.mark.parametrize("writer", ["hf", "hf_sharded", "openai"])
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_hf_and_openai_round_trips_are_bitwise(writer, param_dtype, tmp_path):
+    cfg = CFG.replace(param_dtype=param_dtype, dtype=param_dtype)
+    m = random_model(cfg)
+    if writer == "openai":
+        cio.save_openai(m, tmp_path)
+    else:
+        cio.save_hf(m, tmp_path, max_shard_bytes=20_000 if writer == "hf_sharded" else 2**40)
+    if writer == "hf_sharded":
+        assert (tmp_path / cio.HF_INDEX).is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    back = load_pretrained(tmp_path)
+    assert back.cfg == cfg
+    assert_same_params(m, back)
+
+
+def test_openai_dir_under_original_is_found(model, tmp_path):
+    cio.save_openai(model, tmp_path / "original")
+    assert cio.detect_format(tmp_path) == ("openai", tmp_path / "original")
+    assert_same_params(model, load_pretrained(tmp_path))
+
+
+def test_dtype_argument_casts_weights_and_compute(hf_dir):
+    m = load_pretrained(hf_dir, dtype="bfloat16", moe_dispatch="dense")
+    assert (m.cfg.dtype, m.cfg.param_dtype, m.cfg.moe_dispatch) == ("bfloat16", "bfloat16", "dense")
+    assert m.layers.attn.q_proj[...].dtype == np.dtype("bfloat16")
+    assert m.layers.attn.sinks[...].dtype == np.float32  # kept float32 by the model
+
+
+# ---------------------------------------------------------------------- config mapping
+def test_hf_config_round_trip_preserves_the_architecture():
+    for cfg in (CFG, CFG.replace(sliding_window=0, rope_scaling_factor=1.0)):
+        hf = cio.model_config_to_hf_config(cfg)
+        assert hf["num_local_experts"] == cfg.num_experts
+        assert cio.hf_config_to_model_config(hf) == cfg
+
+
+def test_hf_config_accepts_legacy_rope_scaling_and_top_level_rope_theta():
+    hf = cio.model_config_to_hf_config(CFG)
+    rope = hf.pop("rope_parameters")
+    hf["rope_theta"] = rope.pop("rope_theta")
+    hf["rope_scaling"] = rope
+    assert cio.hf_config_to_model_config(hf) == CFG
+
+
+@pytest.mark.parametrize("key, value, expect", [
+    ("rope_parameters.rope_type", "linear", "rope_type='linear'"),
+    ("rope_parameters.truncate", True, "truncate=True"),
+    ("rope_parameters.mscale", 0.7, "mscale=0.7"),
+    ("rms_norm_eps", 1e-6, "rms_norm_eps=1e-06"),
+    ("swiglu_alpha", 1.0, "swiglu_alpha=1.0"),
+    ("tie_word_embeddings", True, "tie_word_embeddings=True"),
+    ("attention_bias", False, "attention_bias=False"),
+    ("layer_types", ["full_attention", "sliding_attention"], "layer_types="),
+    ("quantization_config", {"quant_method": "gptq"}, "quant_method='gptq'"),
+])
+def test_unsupported_hf_config_is_refused_by_name(key, value, expect):
+    hf = cio.model_config_to_hf_config(CFG)
+    if key.startswith("rope_parameters."):
+        hf["rope_parameters"][key.split(".")[1]] = value
+    else:
+        hf[key] = value
+    with pytest.raises(ValueError, match="unsupported Hugging Face") as e:
+        cio.hf_config_to_model_config(hf)
+    assert expect in str(e.value)
+
+
+def test_hf_yarn_without_truncate_key_is_refused_because_hf_would_truncate():
+    hf = cio.model_config_to_hf_config(CFG)
+    del hf["rope_parameters"]["truncate"]
+    with pytest.raises(ValueError, match="truncate=True"):
+        cio.hf_config_to_model_config(hf)
+
+
+def test_export_refuses_a_norm_gpt_oss_does_not_have():
+    with pytest.raises(ValueError, match="prms_fraction"):
+        cio.model_config_to_hf_config(CFG.replace(prms_fraction=0.25))
+
+
+# ---------------------------------------------------------------------- bad inputs
+def test_directory_without_checkpoint_says_what_was_expected(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ValueError) as e:
+        load_pretrained(tmp_path)
+    msg = str(e.value)
+    for name in ("config.json", "params.safetensors", "model.safetensors",
+                 "model.safetensors.index.json", "original/", "notes.txt"):
+        assert name in msg
+
+
+def test_path_that_is_no_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        load_pretrained(tmp_path / "nope")
+
+
+def test_pickle_only_directory_is_refused_without_unpickling(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(cio.model_config_to_hf_config(CFG)))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04 not really a pickle")
+    with pytest.raises(ValueError, match="never unpickles") as e:
+        load_pretrained(tmp_path)
+    assert "pytorch_model.bin" in str(e.value)
+
+
+def _rewrite(path: Path, edit) -> None:
+    store = cio.TensorStore([path])
+    tensors = {k: np.array(store.get(k)) for k in store.names()}
+    del store
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+def test_missing_tensor_is_named(hf_dir):
+    name = "model.layers.1.self_attn.sinks"
+    _rewrite(hf_dir / cio.HF_WEIGHTS, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match="missing tensor") as e:
+        load_pretrained(hf_dir)
+    assert repr(name) in str(e.value)
+
+
+def test_misshapen_tensor_is_named_with_expected_and_actual_shape(hf_dir):
+    name = "model.layers.0.mlp.experts.down_proj"
+
+    def edit(t):
+        t[name] = t[name][:, :-1]
+    _rewrite(hf_dir / cio.HF_WEIGHTS, edit)
+    with pytest.raises(ValueError) as e:
+        load_pretrained(hf_dir)
+    msg = str(e.value)
+    assert repr(name) in msg and "(4, 31, 64)" in msg and "expected (4, 32, 64)" in msg
+
+
+def test_unexpected_tensor_is_named(hf_dir):
+    def edit(t):
+        t["lm_head.bias"] = np.zeros(CFG.vocab_size, np.float32)
+    _rewrite(hf_dir / cio.HF_WEIGHTS, edit)
+    with pytest.raises(ValueError, match="lm_head.bias"):
+        load_pretrained(hf_dir)
+
+
+def test_misshapen_llm_jax_param_is_named(model, tmp_path):
+    cio.save_llm_jax(model, tmp_path)
+
+    def edit(t):
+        t["layers.attn.q_bias"] = t["layers.attn.q_bias"][:1]
+    _rewrite(tmp_path / cio.LLM_JAX_PARAMS, edit)
+    want = r"'layers.attn.q_bias'.*\(1, 4, 16\).*expected \(2, 4, 16\)"
+    with pytest.raises(ValueError, match=want):
+        load_pretrained(tmp_path)
+
+
+def test_unsupported_rope_type_in_checkpoint_is_refused(hf_dir):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["rope_parameters"]["rope_type"] = "dynamic"
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        load_pretrained(hf_dir)
+
+
+def test_architecture_fields_cannot_be_overridden_at_load(hf_dir):
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_pretrained(hf_dir, num_hidden_layers=3)
+
+
+def test_malformed_mxfp4_scales_are_named(tmp_path, model):
+    cio.save_openai(model, tmp_path)
+    name = "block.0.mlp.mlp1_weight"
+
+    def edit(t):
+        w = t.pop(name)
+        t[name + ".blocks"] = np.zeros((*w.shape[:2], 2, 16), np.uint8)
+        t[name + ".scales"] = np.zeros((*w.shape[:2], 3), np.uint8)  # G should be 64 / 32 = 2
+    _rewrite(tmp_path / "model.safetensors", edit)
+    with pytest.raises(ValueError, match=r"'block.0.mlp.mlp1_weight.scales'.*\(4, 64, 3\)"):
+        load_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------- convert CLI
+def test_convert_to_hf_and_back_is_bitwise(model, tmp_path):
+    src = cio.save_llm_jax(model, tmp_path / "src")
+    assert convert_main(["--src", str(src), "--dst", str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert cio.detect_format(tmp_path / "hf")[0] == "hf"
+    assert convert_main(["--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "back"),
+                         "--to", "llm_jax"]) == 0
+    back = load_pretrained(tmp_path / "back")
+    assert back.cfg == model.cfg
+    assert_same_params(model, back)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "hf", "src"]  # no temp dirs left
+
+
+def test_convert_refuses_non_empty_dst_unless_overwrite(model, tmp_path, capsys):
+    src = cio.save_llm_jax(model, tmp_path / "src")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("precious")
+    assert convert_main(["--src", str(src), "--dst", str(dst), "--to", "hf"]) == 1
+    assert "not empty" in capsys.readouterr().err and (dst / "keep.txt").read_text() == "precious"
+    assert convert_main(["--src", str(src), "--dst", str(dst), "--to", "hf", "--overwrite"]) == 0
+    assert not (dst / "keep.txt").exists() and cio.detect_format(dst)[0] == "hf"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+def test_failed_convert_leaves_dst_untouched(tmp_path):
+    (tmp_path / "src").mkdir()
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("precious")
+    assert convert_main(["--src", str(tmp_path / "src"), "--dst", str(dst), "--to", "hf",
+                         "--overwrite"]) == 1
+    assert (dst / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+def test_convert_runs_as_a_module(model, tmp_path):
+    src = cio.save_llm_jax(model, tmp_path / "src")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "llm_jax.convert", "--src", str(src), "--dst",
+                        str(tmp_path / "oa"), "--to", "openai", "--dtype", "bfloat16"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    back = load_pretrained(tmp_path / "oa")
+    assert back.cfg.param_dtype == "bfloat16"
+    assert back.layers.mlp.gate_up_proj[...].dtype == np.dtype("bfloat16")
+
+
+def test_convert_that_fails_while_writing_loses_nothing(model, tmp_path, monkeypatch):
+    import llm_jax.convert as convert_mod
+
+    def broken_writer(m, directory):
+        (Path(directory) / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setitem(convert_mod.WRITERS, "hf", broken_writer)
+    src = cio.save_llm_jax(model, tmp_path / "src")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("precious")
+    with pytest.raises(RuntimeError, match="disk full"):
+        convert_mod.convert(src, dst, "hf", overwrite=True)
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+def test_other_hf_model_types_are_refused_by_name(hf_dir):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        load_pretrained(hf_dir)
