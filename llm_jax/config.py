@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-MOE_DISPATCHES = ("dense", "ragged", "capacity")
+MOE_DISPATCHES = ("dense", "ragged", "capacity", "expert_parallel")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rms", "layer")
 
@@ -59,8 +59,8 @@ class ModelConfig:
     # Implementation choices.
     dtype: str = "float32"  # compute dtype of matmuls and activations
     param_dtype: str = "float32"  # storage dtype of weights (norm scales always float32)
-    moe_dispatch: str = "capacity"  # dense | ragged | capacity
-    moe_capacity_factor: float = 2.0  # capacity path: slots per expert = factor * T * k / E
+    moe_dispatch: str = "capacity"  # dense | ragged | capacity | expert_parallel (shard_map)
+    moe_capacity_factor: float = 1.25  # capacity path: slots per expert = factor * T * k / E
     prms_fraction: float = 0.0  # pRMSNorm: estimate the RMS from the first p of features; 0 = off
     norm_type: str = "rms"  # rms (gpt-oss) | layer (LayerNorm, for the norm benchmark)
     remat: bool = False  # recompute each layer's activations in the backward pass

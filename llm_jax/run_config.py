@@ -49,6 +49,29 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.train.log_every_steps = 10
     cfg.train.eval_every_steps = 200
     cfg.train.eval_batches = 8
+    cfg.train.num_samples = 3  # lines of text sampled at the end of the run
+    cfg.train.peak_flops = 0.0  # MFU denominator in FLOP/s; 0 = measure a matmul at start-up
+
+    # Device mesh (llm_jax.sharding): sizes within a slice / node; one may be -1 (the rest).
+    # dcn_* multiply them across TPU slices or GPU nodes (the data-center network). See
+    # docs/scaling.md for how to choose.
+    cfg.mesh = ml_collections.ConfigDict()
+    cfg.mesh.data = -1
+    cfg.mesh.fsdp = 1
+    cfg.mesh.tensor = 1
+    cfg.mesh.expert = 1
+    cfg.mesh.dcn_data = 1
+    cfg.mesh.dcn_fsdp = 1
+    cfg.mesh.dcn_tensor = 1
+    cfg.mesh.dcn_expert = 1
+
+    # Multi-process runs (llm_jax.distributed): "" / -1 = from the environment (JAX_COORDINATOR_
+    # ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or TPU VM / SLURM detection); none = 1 process.
+    cfg.distributed = ml_collections.ConfigDict()
+    cfg.distributed.coordinator_address = ""  # host:port of process 0
+    cfg.distributed.num_processes = -1
+    cfg.distributed.process_id = -1
+    cfg.distributed.initialization_timeout = 300  # seconds to wait for every process
 
     cfg.checkpoint = ml_collections.ConfigDict()
     cfg.checkpoint.every_steps = 250

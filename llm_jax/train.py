@@ -70,7 +70,7 @@ def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
     from llm_jax.model import abstract_model
 
     model = nnx.merge(nnx.graphdef(abstract_model(cfg)), jax.device_get(params))
-    prompts = ["def ", "import ", "class "][:num_samples]
+    prompts = (["def ", "import ", "class ", "for ", "    return "] * num_samples)[:num_samples]
     ids = [tokenizer.encode(p) for p in prompts]
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
                    seed=seed, eos_id=tokenizer.eos_id)
@@ -112,7 +112,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     seq_len = cfg.data.seq_len
     tokens_per_step = tc.batch_size * seq_len
     flops_per_token = describe.flops_per_token(mcfg, seq_len, training=True)
-    peak = measure_matmul_flops(mcfg.dtype)
+    peak = tc.peak_flops or measure_matmul_flops(mcfg.dtype)
     logging.info("model: %s params (%s active); %.3g train FLOPs/token; peak %.3g FLOP/s (%s)",
                  f"{describe.total_params(mcfg):,}", f"{describe.active_params(mcfg):,}",
                  flops_per_token, peak, mcfg.dtype)
@@ -163,10 +163,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         records = read_metrics(writer.path)
         plot_losses(records, os.path.join(workdir, "loss.png"))
         plot_expert_load(records, os.path.join(workdir, "expert_load.png"))
-        try:
-            samples = sample_text(state.params, mcfg, data.tokenizer, seed=cfg.seed)
-        except ImportError:  # generation not available
-            samples = []
+        samples = []
+        if tc.num_samples:
+            samples = sample_text(state.params, mcfg, data.tokenizer, seed=cfg.seed,
+                                  num_samples=tc.num_samples)
         with open(os.path.join(workdir, "samples.txt"), "w") as f:
             f.write("\n\n".join(samples))
         for s in samples:
