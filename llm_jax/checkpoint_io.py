@@ -33,6 +33,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from llm_jax.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.config import RMS_NORM_EPS, SWIGLU_ALPHA, ModelConfig
 
 LLM_JAX_CONFIG = "config.json"
@@ -551,7 +552,8 @@ def detect_format(path: str | Path) -> tuple[str, Path]:
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"checkpoint path {root} is not a directory")
-    # The training issue adds here: an Orbax CheckpointManager directory -> ("orbax", root).
+    if find_training_checkpoint(str(root)) is not None:  # a training workdir (Orbax)
+        return "orbax", root
     for fmt, test in (("llm_jax", _is_llm_jax), ("hf", _is_hf), ("openai", _is_openai)):
         if test(root):
             return fmt, root
@@ -621,7 +623,26 @@ def _openai_config(root: Path) -> ModelConfig:
     return cfg
 
 
+def _orbax_config(root: Path) -> ModelConfig:
+    workdir, step = find_training_checkpoint(str(root))
+    ckpt = Checkpointer(workdir, create=False, async_save=False)
+    try:
+        return ModelConfig.from_dict(ckpt.restore_config(step)["model"])
+    finally:
+        ckpt.close()
+
+
+def _orbax_params(root: Path, cfg: ModelConfig,
+                  targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
+    workdir, step = find_training_checkpoint(str(root))
+    _, params, _ = restore_params(workdir, step)
+    flat = {".".join(str(p) for p in path): np.asarray(v.get_value())
+            for path, v in nnx.to_flat_state(params)}
+    return {k: flat[k].astype(t.dtype) for k, t in targets.items() if k in flat}
+
+
 FORMATS: dict[str, _Format] = {
+    "orbax": _Format(_orbax_config, _orbax_params),
     "llm_jax": _Format(_llm_jax_config, _llm_jax_params),
     "hf": _Format(
         lambda root: hf_config_to_model_config(_read_json(root / "config.json")),

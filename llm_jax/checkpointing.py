@@ -27,12 +27,23 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
 
 
-def is_training_workdir(path: str) -> bool:
-    """True if `path` is a workdir (or its checkpoints/ folder) with at least one checkpoint."""
-    for d in (os.path.join(path, CHECKPOINT_DIR), path):
-        if os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d)):
-            return True
-    return False
+def find_training_checkpoint(path: str) -> tuple[str, int | None] | None:
+    """(workdir, step or None = latest) if `path` is a training workdir, its checkpoints/
+    folder, or one step's folder in it; else None. Incomplete (tmp) steps do not count."""
+    path = os.path.abspath(path)
+
+    def has_steps(d: str) -> bool:
+        return os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
+
+    if has_steps(os.path.join(path, CHECKPOINT_DIR)):
+        return path, None
+    if os.path.basename(path) == CHECKPOINT_DIR and has_steps(path):
+        return os.path.dirname(path), None
+    parent = os.path.dirname(path)
+    if (os.path.basename(path).isdigit() and os.path.basename(parent) == CHECKPOINT_DIR
+            and os.path.isdir(os.path.join(path, "params"))):
+        return os.path.dirname(parent), int(os.path.basename(path))
+    return None
 
 
 class Checkpointer:
