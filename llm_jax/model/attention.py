@@ -59,11 +59,12 @@ def attend(
         "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
     ) * (h ** -0.5)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, _MASKED)
-    sinks_BKGT1 = jnp.broadcast_to(
-        sinks_N.astype(jnp.float32).reshape(1, k_heads, g, 1, 1), (b, k_heads, g, t, 1)
-    )
-    logits = jnp.concatenate([scores_BKGTS, sinks_BKGT1], axis=-1)
-    probs = jax.nn.softmax(logits, axis=-1)[..., :-1]
+    # softmax over [scores, sink] without materialising the concatenated row: the sink only
+    # enters the max and the normaliser.
+    sink_BKGT1 = sinks_N.astype(jnp.float32).reshape(1, k_heads, g, 1, 1)
+    row_max = jax.lax.stop_gradient(jnp.maximum(scores_BKGTS.max(-1, keepdims=True), sink_BKGT1))
+    e = jnp.exp(scores_BKGTS - row_max)
+    probs = e / (e.sum(-1, keepdims=True) + jnp.exp(sink_BKGT1 - row_max))
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v_BSKH.dtype), v_BSKH)
     return out_BTKGH.reshape(b, t, n, h)
 
