@@ -318,8 +318,8 @@ MEMORY_ASSUMPTIONS = (
     "every parameter: the few embed-less biases and sinks are negligible); heads, kv heads, mlp "
     "and vocab over tensor; experts over expert (router, expert weights); ideal division",
     "grads in param dtype; Adam m and v in float32, sharded like the params",
-    "activations sharded over data x fsdp (the batch); tensor and expert sharding of "
-    "activations ignored (an upper bound)",
+    "activations sharded over data x fsdp x expert (the batch, as the rules say); tensor "
+    "sharding of activations ignored (an upper bound)",
     "saved per layer per token without remat (compute dtype): layer input, attn-norm out, q k v "
     "after RoPE, attention out, residual, mlp-norm out, and per expert slot its input, 2F "
     "pre-activation, F SwiGLU out and D output; float32: attention probabilities (N x T: the "
@@ -383,11 +383,12 @@ def memory_per_device(
     cfg: ModelConfig, *, batch: int, seq_len: int, mesh: dict[str, int]
 ) -> dict[str, Any]:
     """Estimated bytes per device of params, grads, Adam m + v and activations (training)."""
-    batch_shards = mesh["data"] * mesh["fsdp"]
+    batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     if batch % batch_shards:
         raise ValueError(
-            f"--batch={batch} is invalid for --mesh data={mesh['data']},fsdp={mesh['fsdp']}: "
-            f"expected a multiple of data x fsdp = {batch_shards}")
+            f"--batch={batch} is invalid for --mesh data={mesh['data']},fsdp={mesh['fsdp']},"
+            f"expert={mesh['expert']}: expected a multiple of data x fsdp x expert = "
+            f"{batch_shards}")
     counts = param_counts(cfg)
     shards = _param_shards(cfg, mesh)
     params = sum(counts[n] * b / s for n, (b, s) in shards.items())

@@ -10,6 +10,7 @@ with explicit in/out shardings and a donated state, so the same step runs on one
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,8 @@ from jax.sharding import Mesh
 
 from llm_jax.config import ModelConfig
 from llm_jax.model import Transformer
-from llm_jax.sharding import batch_sharding, replicated, state_shardings
+from llm_jax.sharding import (batch_sharding, check_divisible, logical_axes, replicated,
+                              state_shardings, with_mesh)
 
 # Matrices get weight decay; norms, biases and sinks do not.
 DECAYED = frozenset({"embedding", "unembedding", "q_proj", "k_proj", "v_proj", "o_proj",
@@ -156,13 +158,23 @@ def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
     abstract = jax.eval_shape(lambda: init_state(cfg, tx, seed))
     state_sh = state_shardings(abstract, mesh)
+    check_divisible(abstract.params, state_sh.params, what="params")
     batch_sh = batch_sharding(mesh)
+    micro = train.batch_size // train.grad_accum_steps
+    axes = {a: mesh.shape[a] for a in logical_axes(("batch",))}
+    if micro % math.prod(axes.values()):
+        raise ValueError(
+            f"train.batch_size={train.batch_size} / grad_accum_steps={train.grad_accum_steps} = "
+            f"{micro} sequences per microbatch is not divisible by the batch's mesh axes "
+            f"{'x'.join(f'{a}={n}' for a, n in axes.items())} = {math.prod(axes.values())}")
     rep = replicated(mesh)
-    init = jax.jit(lambda: init_state(cfg, tx, seed), out_shardings=state_sh)
-    step = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, train=train),
+    # Traced under the mesh, so activation constraints and the expert-parallel MoE see it.
+    init = jax.jit(with_mesh(lambda: init_state(cfg, tx, seed), mesh), out_shardings=state_sh)
+    step = jax.jit(with_mesh(functools.partial(train_step, graphdef=graphdef, tx=tx, train=train),
+                             mesh),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
                    donate_argnums=(0,))
-    evaluate = jax.jit(functools.partial(eval_step, graphdef=graphdef),
+    evaluate = jax.jit(with_mesh(functools.partial(eval_step, graphdef=graphdef), mesh),
                        in_shardings=(state_sh.params, batch_sh), out_shardings=rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_sh)

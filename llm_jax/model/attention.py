@@ -18,6 +18,7 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
+from llm_jax.sharding import constrain
 
 _MASKED = -1e30  # finite, so a row with every key masked still has its sink and no NaN
 
@@ -95,7 +96,10 @@ class Attention(nnx.Module):
         k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(cdt)) + self.k_bias[...].astype(cdt)
         v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(cdt)) + self.v_bias[...].astype(cdt)
         cos, sin = rope_cos_sin(positions_BT, self.cfg)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q_axes, kv_axes = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads",
+                                                                       "head_dim")
+        return (constrain(apply_rope(q, cos, sin), q_axes),
+                constrain(apply_rope(k, cos, sin), kv_axes), constrain(v, kv_axes))
 
     def out(self, o_BTNH: jax.Array) -> jax.Array:
         cdt = self.cfg.compute_dtype

@@ -27,6 +27,7 @@ from flax import nnx
 
 from llm_jax.config import SWIGLU_ALPHA, ModelConfig
 from llm_jax.model.params import normal, param, zeros
+from llm_jax.sharding import constrain
 
 
 class Routing(NamedTuple):
@@ -127,7 +128,7 @@ def moe_capacity(
     # Scatter token ids into [E, C] slots; empty slots point at token 0 and are never combined.
     flat_slot_A = jnp.where(kept_A, experts_A * num_slots + slot_A, e * num_slots)
     slot_token = jnp.zeros((e * num_slots + 1,), jnp.int32).at[flat_slot_A].set(token_A)
-    x_ECD = x_TD[slot_token[:-1]].reshape(e, num_slots, d)
+    x_ECD = constrain(x_TD[slot_token[:-1]].reshape(e, num_slots, d), ("experts", None, None))
     h = jnp.einsum("ECD,EDF->ECF", x_ECD, w.gate_up_EDF2) + w.gate_up_bias_EF2[:, None]
     y_ECD = jnp.einsum("ECF,EFD->ECD", swiglu(h, limit), w.down_EFD) + w.down_bias_ED[:, None]
     y_AD = y_ECD.reshape(e * num_slots, d)[jnp.minimum(flat_slot_A, e * num_slots - 1)]
@@ -171,6 +172,11 @@ class MoE(nnx.Module):
             y_TD = moe_dense(x_TD, routing, w, cfg.swiglu_limit)
         elif cfg.moe_dispatch == "ragged":
             y_TD = moe_ragged(x_TD, routing, w, cfg.swiglu_limit)
+        elif cfg.moe_dispatch == "expert_parallel":  # shard_map over the mesh in context
+            from llm_jax.model.moe_parallel import moe_expert_parallel
+
+            y_TD, drop = moe_expert_parallel(x_TD, routing, w, cfg.swiglu_limit,
+                                             cfg.moe_capacity_factor)
         else:
             y_TD, drop = moe_capacity(x_TD, routing, w, cfg.swiglu_limit, capacity(b * t, cfg))
         lb, z, load = router_aux(routing, cfg.num_experts)

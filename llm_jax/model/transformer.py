@@ -21,6 +21,9 @@ from llm_jax.model.attention import Attention
 from llm_jax.model.moe import MoE, MoEAux
 from llm_jax.model.norm import make_norm
 from llm_jax.model.params import normal, param
+from llm_jax.sharding import constrain
+
+RESIDUAL = ("batch", "length", "embed")  # logical axes of the residual stream
 
 
 class Block(nnx.Module):
@@ -75,13 +78,14 @@ class Transformer(nnx.Module):
         b, t = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embedding[...].astype(cfg.compute_dtype)[tokens_BT]
+        x = constrain(self.embedding[...].astype(cfg.compute_dtype)[tokens_BT], RESIDUAL)
         windows_L = jnp.asarray(cfg.layer_windows, jnp.int32)
         graphdef, layer_state = nnx.split(self.layers)
 
         def body(x_BTD: jax.Array, xs: tuple[Any, jax.Array]) -> tuple[jax.Array, MoEAux]:
             state, window = xs
-            return nnx.merge(graphdef, state)(x_BTD, positions_BT, window, segment_ids_BT)
+            y_BTD, aux = nnx.merge(graphdef, state)(x_BTD, positions_BT, window, segment_ids_BT)
+            return constrain(y_BTD, RESIDUAL), aux
 
         if cfg.remat:
             body = jax.checkpoint(body, prevent_cse=False)

@@ -1,0 +1,143 @@
+"""Expert-parallel MoE: the expert layer inside `jax.shard_map`, tokens exchanged by all_to_all.
+
+Shapes (per device): T local tokens, D hidden, k experts per token, A = T k assignments,
+n devices on the expert axis, El = E / n local experts, C slots per (source, destination) pair,
+R = n C rows received, F2 = 2F / tensor local gate-up width.
+
+Layout (from the one RULES table): tokens are split over the batch axes (data, fsdp, expert),
+expert weights over `expert` (E) and `tensor` (F); their `embed` (fsdp) dimension is gathered on
+entry, as FSDP does. On every device:
+
+1. sort its assignments by expert id; destination device = expert // El;
+2. pack them into a [n, C] send buffer (slot = rank among the assignments to that device);
+3. `all_to_all` over `expert`: device j receives the rows meant for its experts from every
+   source;
+4. sort the received rows by local expert, grouped matmul (`jax.lax.ragged_dot`), clamped
+   SwiGLU, grouped matmul; with tensor > 1 each device holds a slice of F and the partial
+   outputs are summed (`psum` over `tensor`);
+5. reverse `all_to_all`; each row returns to its source's slot; combine with the router weights.
+
+Formulation: capacity per device pair, C = min(A, ceil(moe_capacity_factor * A / n)). With
+factor >= n, C = A (a source's every assignment fits in one destination), so nothing can be
+dropped and the layer is exactly the single-device MoE; with a smaller factor it moves and
+computes factor x fewer rows, overflow is dropped and counted in `drop_fraction` (like the
+capacity dispatch). Without a mesh (or on one device) the same code runs with n = 1: dropless.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from llm_jax.model.moe import ExpertWeights, Routing, swiglu
+from llm_jax.sharding import RULES, logical_to_spec, spec_axes
+
+P = jax.sharding.PartitionSpec
+
+
+def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -> int:
+    """C: rows a device may send to one device of the expert axis (see module doc)."""
+    return max(1, min(local_assignments, math.ceil(factor * local_assignments / expert_devices)))
+
+
+def _mesh_axes(mesh, names, rules) -> tuple[str, ...]:
+    spec = logical_to_spec(names, rules, mesh_axes=mesh.axis_names)
+    return tuple(a for e in spec for a in spec_axes(e) if mesh.shape[a] > 1)
+
+
+def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, limit: float,
+               factor: float, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...],
+               batch_axes: tuple[str, ...], n: int):
+    """One device's share: steps 1-5 of the module doc. Returns (y [T, D], dropped count)."""
+    t, d = x_TD.shape
+    k = experts_Tk.shape[1]
+    el = w1_EDF.shape[0]
+    e_A = experts_Tk.reshape(-1)  # token-major: assignment a = token a // k, choice a % k
+    a = e_A.shape[0]
+    c = slots_per_pair(a, n, factor)
+
+    # 1-2. Sort by expert, pack per destination device.
+    order_A = jnp.argsort(e_A, stable=True)
+    e_sorted = e_A[order_A]
+    dst = e_sorted // el
+    counts_n = jnp.bincount(dst, length=n)
+    slot = jnp.arange(a) - (jnp.cumsum(counts_n) - counts_n)[dst]
+    kept = slot < c
+    flat = jnp.where(kept, dst * c + slot, n * c)  # n * c: out of range, dropped by the scatter
+    x_send = jnp.zeros((n * c, d), x_TD.dtype).at[flat].set(x_TD[order_A // k], mode="drop")
+    e_send = jnp.full((n * c,), el, jnp.int32).at[flat].set(e_sorted - dst * el, mode="drop")
+
+    # 3. Exchange: chunk j of the send buffer goes to device j; chunk i received is from i.
+    if expert_axes:
+        x_recv = jax.lax.all_to_all(x_send, expert_axes, 0, 0, tiled=True)
+        e_recv = jax.lax.all_to_all(e_send, expert_axes, 0, 0, tiled=True)
+    else:
+        x_recv, e_recv = x_send, e_send
+
+    # 4. Grouped matmul over the local experts; empty rows (id el) join the last group, masked.
+    order_R = jnp.argsort(e_recv, stable=True)
+    e_R = e_recv[order_R]
+    sizes = jnp.bincount(e_R, length=el + 1).astype(jnp.int32)
+    sizes = sizes[:el].at[el - 1].add(sizes[el])
+    ge = jnp.minimum(e_R, el - 1)
+    h = jax.lax.ragged_dot(x_recv[order_R], w1_EDF, sizes) + b1_EF[ge]
+    y = jax.lax.ragged_dot(swiglu(h, limit), w2_EFD, sizes)
+    if mlp_axes:  # each device computed its slice of F: sum the partial outputs
+        y = jax.lax.psum(y, mlp_axes)
+    y = jnp.where((e_R < el)[:, None], y + b2_ED[ge], 0.0)
+    y_recv = jnp.zeros_like(y).at[order_R].set(y)
+
+    # 5. Back to the sources, into each assignment's slot, then the weighted combine.
+    y_back = jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True) if expert_axes else y_recv
+    y_sorted = jnp.where(kept[:, None], y_back[jnp.minimum(flat, n * c - 1)], 0.0)
+    y_A = jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
+    y_TD = jnp.einsum("TkD,Tk->TD", y_A.reshape(t, k, d), weights_Tk.astype(y_A.dtype))
+    dropped = jnp.sum(~kept).astype(jnp.float32)
+    if batch_axes:
+        dropped = jax.lax.psum(dropped, batch_axes)
+    return y_TD, dropped
+
+
+def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float,
+                        capacity_factor: float, rules=RULES) -> tuple[jax.Array, jax.Array]:
+    """Returns (output [T, D], fraction of assignments dropped), on the mesh in context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    t, k = routing.experts_Tk.shape
+    kwargs = dict(limit=limit, factor=capacity_factor)
+    if mesh.empty:
+        y, dropped = _local_moe(x_TD, routing.experts_Tk, routing.weights_Tk, *w, expert_axes=(),
+                                mlp_axes=(), batch_axes=(), n=1, **kwargs)
+        return y, dropped / (t * k)
+    batch_axes = _mesh_axes(mesh, ("batch",), rules)
+    expert_axes = _mesh_axes(mesh, ("experts",), rules)
+    mlp_axes = _mesh_axes(mesh, ("mlp",), rules)
+    n = math.prod(mesh.shape[a] for a in expert_axes)
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    e, f2 = w.gate_up_EDF2.shape[0], w.gate_up_EDF2.shape[2]
+    tp = math.prod(mesh.shape[a] for a in mlp_axes)
+    if not set(expert_axes) <= set(batch_axes):
+        raise ValueError(f"expert_parallel: the experts' mesh axes {expert_axes} must also split "
+                         f"the batch (batch axes {batch_axes}): tokens are exchanged over them")
+    if e % n:
+        raise ValueError(f"expert_parallel: num_experts={e} is not divisible by the expert axis "
+                         f"size {'x'.join(expert_axes)}={n}")
+    if (f2 // 2) % tp:
+        raise ValueError(f"expert_parallel: intermediate_size={f2 // 2} is not divisible by the "
+                         f"mlp axes {'x'.join(mlp_axes)}={tp} (gate/linear pairs must stay "
+                         f"together)")
+    if t % shards:
+        raise ValueError(f"expert_parallel: {t} tokens are not divisible by the batch axes "
+                         f"{'x'.join(batch_axes)}={shards}")
+    ba, ea, ma = (batch_axes or None), (expert_axes or None), (mlp_axes or None)
+    tok, tok_k = P(ba, None), P(ba, None)
+    fn = functools.partial(_local_moe, expert_axes=expert_axes, mlp_axes=mlp_axes,
+                           batch_axes=batch_axes, n=n, **kwargs)
+    y, dropped = jax.shard_map(
+        fn, mesh=mesh,
+        in_specs=(tok, tok_k, tok_k, P(ea, None, ma), P(ea, ma), P(ea, ma, None), P(ea, None)),
+        out_specs=(tok, P()), check_vma=True,
+    )(x_TD, routing.experts_Tk, routing.weights_Tk, *w)
+    return y, dropped / (t * k)
