@@ -1,0 +1,286 @@
+"""Generation with the KV cache: cached logits equal full recomputation (with and without a
+sliding window, past its length), greedy tokens equal transformers' `generate`, a batch equals
+each prompt alone, sampling's limits, the cache's bytes equal describe's prediction, bad input
+raises a ValueError naming the argument, and the CLI.
+
+Tolerance: max |logit diff| <= 1e-4 (float32). Never relax it; find the bug.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from llm_jax import checkpoint_io as cio  # noqa: E402
+from llm_jax.config import ModelConfig  # noqa: E402
+from llm_jax.describe import kv_cache_bytes, kv_cache_lengths  # noqa: E402
+from llm_jax.generate import _generate_jit, bucket, generate, main  # noqa: E402
+from llm_jax.kv_cache import CACHE_AXES, cache_shardings, init_cache  # noqa: E402
+from llm_jax.sharding import logical_to_spec, make_mesh  # noqa: E402
+
+TOL = 1e-4
+V = 512  # room for the CLI test's tokenizer
+CFG = ModelConfig(
+    num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=V, hidden_size=32,
+    intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+    sliding_window=8, moe_dispatch="dense",
+)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
+
+
+def random_model(cfg: ModelConfig = CFG, seed: int = 0):
+    """Weights big enough that logits spread (std-0.02 init gives near-uniform ones)."""
+    _, targets = cio._abstract_targets(cfg)
+    rng = np.random.default_rng(seed)
+    scale = {"sinks": 1.0, "embedding": 1.0, "gate_up_proj": 0.6, "down_proj": 0.05,
+             "o_proj": 1 / math.sqrt(cfg.num_attention_heads * cfg.head_dim)}
+    params = {}
+    for key, t in targets.items():
+        name = key.split(".")[-1]
+        z = rng.normal(size=t.shape)
+        if name == "scale":
+            v = 1.0 + 0.3 * z
+        elif "bias" in name:
+            v = 0.1 * z
+        else:
+            v = scale.get(name, 1 / math.sqrt(cfg.hidden_size)) * z
+        params[key] = v.astype(t.dtype)
+    return cio.model_from_params(cfg, params)
+
+
+def with_config(model, cfg: ModelConfig):
+    """The same weights under another (implementation) config."""
+    return cio.model_from_params(cfg, cio.flat_params(model))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+def recomputed_logits(model, prompts: list[list[int]], new: list[list[int]]) -> list[np.ndarray]:
+    """Logits that predicted each new token, from running each whole sequence without a cache
+    (what recomputing at every step gives, by causality). One call: right-padded to 48."""
+    seqs = np.zeros((len(prompts), 48), np.int32)
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        seqs[i, :len(p) + len(n)] = p + n
+    logits = np.asarray(model(jnp.asarray(seqs)))
+    return [logits[i, len(p) - 1:len(p) + len(n) - 1] for i, (p, n) in enumerate(zip(prompts, new))]
+
+
+# ---------------------------------------------------------------------- cache == recompute
+@pytest.mark.parametrize("window, dispatch", [(0, "dense"), (8, "dense"), (8, "capacity")])
+def test_cached_decoding_matches_full_recompute_past_the_window(model, window, dispatch):
+    m = with_config(model, CFG.replace(sliding_window=window, moe_dispatch=dispatch))
+    ref = with_config(model, CFG.replace(sliding_window=window, moe_dispatch="dense"))
+    ids, logits = generate(m, PROMPTS, max_new_tokens=16, return_logits=True)
+    assert all(len(new) == 16 for new in ids)
+    assert len(PROMPTS[1]) + 16 > 2 * CFG.sliding_window  # every ring wraps at least twice
+    for lg, want in zip(logits, recomputed_logits(ref, PROMPTS, ids)):
+        np.testing.assert_allclose(lg, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("layers, window", [(3, 8), (1, 64)])
+def test_odd_layer_counts_and_a_window_longer_than_the_cache(layers, window):
+    m = random_model(CFG.replace(num_hidden_layers=layers, sliding_window=window), seed=layers)
+    ids, logits = generate(m, PROMPTS, max_new_tokens=12, return_logits=True)
+    for lg, want in zip(logits, recomputed_logits(m, PROMPTS, ids)):
+        np.testing.assert_allclose(lg, want, atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------- transformers
+def test_greedy_tokens_match_transformers_generate(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, vocab_size=V,
+        hidden_size=32, intermediate_size=32, head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        max_position_embeddings=4096 * 32, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.GptOssForCausalLM(config).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # weights big enough that greedy paths differ between models
+        for name, p in hf.named_parameters():
+            z = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * z)
+            elif name.endswith(("sinks", "embed_tokens.weight")):
+                p.copy_(z)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * z)
+            elif name.endswith("gate_up_proj"):
+                p.copy_(0.6 * z)
+            elif name.endswith("down_proj"):
+                p.copy_(0.05 * z)
+            else:
+                p.copy_(z / math.sqrt(p.shape[-1]))
+    hf.save_pretrained(tmp_path)
+    prompt = [3, 17, 99, 42, 8, 64]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = want[0, len(prompt):].tolist()
+    ours = cio.load_pretrained(tmp_path)
+    assert ours.cfg.sliding_window == 8 and ours.cfg.rope_scaling_factor == 32
+    assert generate(ours, prompt, max_new_tokens=20) == want
+    assert len(set(want)) > 3  # not a degenerate repetition
+
+
+# ---------------------------------------------------------------------- batching
+def test_batch_of_different_lengths_equals_each_prompt_alone(model):
+    batch = generate(model, PROMPTS, max_new_tokens=10)
+    assert batch == [generate(model, p, max_new_tokens=10) for p in PROMPTS]
+
+
+def test_sampled_sequence_does_not_depend_on_the_rest_of_the_batch(model):
+    # Row b draws from fold_in(fold_in(seed, step), b): the same row and seed give the same
+    # tokens whatever the other prompts are (their lengths, their contents, or none at all).
+    kw = dict(max_new_tokens=10, temperature=1.0, seed=3)
+    batch = generate(model, PROMPTS, **kw)
+    other = generate(model, [PROMPTS[0], PROMPTS[2][:5], [1]], **kw)
+    assert other[0] == batch[0] == generate(model, PROMPTS[0], **kw)
+    assert batch[1] != batch[0]
+
+
+def test_generation_stops_at_eos_and_includes_it(model):
+    full = generate(model, PROMPTS, max_new_tokens=12)
+    eos = full[0][4]
+    out = generate(model, PROMPTS, max_new_tokens=12, eos_id=eos)
+    for f, o in zip(full, out):
+        stop = f.index(eos) + 1 if eos in f else len(f)
+        assert o == f[:stop]
+
+
+def test_new_prompts_and_settings_in_one_bucket_reuse_the_compiled_program(model):
+    generate(model, [[1, 2, 3], [4, 5], [6]], max_new_tokens=9, temperature=0.7, top_p=0.9,
+             seed=1)
+    before = _generate_jit._cache_size()
+    generate(model, [[1, 2, 3, 4, 5, 6], [7], [8, 9]], max_new_tokens=14, temperature=1.3,
+             top_k=5, top_p=0.5, seed=2, eos_id=4)
+    assert _generate_jit._cache_size() == before
+    assert bucket(1) == bucket(16) == 16 and bucket(17) == 32 and bucket(1500) == 2048
+
+
+def test_streaming_callback_sees_every_token_in_order(model):
+    seen = []
+    ids = generate(model, PROMPTS, max_new_tokens=6,
+                   stream=lambda step, tok, active: seen.append((step, tok.tolist(), active.tolist())))
+    assert [s for s, _, _ in seen] == list(range(6))
+    assert [[t[b] for _, t, _ in seen] for b in range(3)] == ids
+
+
+# ---------------------------------------------------------------------- sampling
+def test_top_k_1_and_tiny_top_p_equal_greedy(model):
+    greedy = generate(model, PROMPTS, max_new_tokens=8)
+    assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, top_k=1, seed=5) == greedy
+    assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=5) == greedy
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(model):
+    kw = dict(max_new_tokens=12, temperature=1.5, top_k=50, top_p=0.95)
+    a = generate(model, PROMPTS, seed=7, **kw)
+    assert generate(model, PROMPTS, seed=7, **kw) == a
+    assert generate(model, PROMPTS, seed=8, **kw) != a
+
+
+# ---------------------------------------------------------------------- the cache
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_bytes_equal_the_size_of_a_real_cache(window, dtype):
+    cfg = CFG.replace(sliding_window=window)
+    for length in (3, 8, 100, 1000):
+        cache = init_cache(cfg, 2, length, dtype)
+        assert cache.nbytes == kv_cache_bytes(cfg, length, batch=2, dtype=dtype)
+        sliding = [n for n, w in zip(kv_cache_lengths(cfg, length), cfg.layer_windows) if w]
+        assert cache.k_sliding.shape[0] == len(sliding)
+        assert all(n == cache.k_sliding.shape[2] for n in sliding)  # capped at min(len, W)
+    assert init_cache(cfg, 2, 1000).nbytes < 2 * init_cache(cfg, 2, 500).nbytes + 1  # linear
+
+
+def test_cache_is_sharded_by_the_logical_rules_on_a_one_device_mesh(model):
+    mesh = make_mesh({"data": 1})
+    spec = cache_shardings(mesh).k_full.spec
+    assert spec == logical_to_spec(CACHE_AXES)
+    assert spec[1] == logical_to_spec(("batch",))[0] and spec[3] == "tensor"
+    assert generate(model, PROMPTS, max_new_tokens=5, mesh=mesh) == \
+        generate(model, PROMPTS, max_new_tokens=5)
+
+
+def test_bfloat16_cache_stays_close_to_float32(model):
+    ids, a = generate(model, PROMPTS, max_new_tokens=16, return_logits=True)
+    ids_b, b = generate(model, PROMPTS, max_new_tokens=16, return_logits=True,
+                        cache_dtype="bfloat16")
+    n = 4  # compare while the tokens agree
+    assert [i[:n] for i in ids] == [i[:n] for i in ids_b]
+    err = max(np.abs(x[:n] - y[:n]).max() for x, y in zip(a, b))
+    assert 0 < err < 0.05 * max(np.abs(x).max() for x in a)
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(prompt_ids=[list(range(40))], max_new_tokens=5, max_len=32), "max_len"),
+    (dict(prompt_ids=[[1, 2], []]), r"prompt_ids\[1\]"),
+    (dict(prompt_ids=[]), "prompt_ids"),
+    (dict(prompt_ids=[1, 2], temperature=-0.5), "temperature"),
+    (dict(prompt_ids=[1, 2], top_p=0.0), "top_p"),
+    (dict(prompt_ids=[1, 2], top_p=1.5), "top_p"),
+    (dict(prompt_ids=[[1, V]]), r"prompt_ids\[0\].*vocabulary"),
+    (dict(prompt_ids=[[-1, 2]]), r"prompt_ids\[0\].*vocabulary"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_ids=[1, 2], top_k=-1), "top_k"),
+    (dict(prompt_ids=[1, 2], eos_id=V), "eos_id"),
+    (dict(prompt_ids="def fib("), "prompt_ids"),
+])
+def test_bad_input_raises_value_error_naming_the_argument(model, kwargs, names):
+    with pytest.raises(ValueError, match=names):
+        generate(model, **kwargs)
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_generates_from_an_llm_jax_checkpoint_with_its_tokenizer(model, tmp_path, capsys):
+    from llm_jax.data.tokenizer import Tokenizer
+
+    import inspect
+
+    tok = Tokenizer.train([inspect.getsource(json.decoder)], vocab_size=400)
+    tok.save(str(tmp_path / "tokenizer.model"))
+    ckpt = cio.save_llm_jax(model, tmp_path / "ckpt")
+    out_json = tmp_path / "out.json"
+    assert main(["--checkpoint", str(ckpt), "--prompt", "def fib(", "--max_new_tokens", "8",
+                 "--output_json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    (row,) = json.loads(out_json.read_text())
+    assert row["prompt_ids"] == tok.encode("def fib(")
+    assert printed == "def fib(" + row["text"] + "\n"
+    assert row["ids"] == generate(model, row["prompt_ids"], max_new_tokens=8, eos_id=tok.eos_id)
+
+
+def test_cli_takes_prompt_ids_without_a_tokenizer_and_names_bad_flags(model, tmp_path, capsys):
+    ckpt = cio.save_llm_jax(model, tmp_path / "ckpt")  # (HF loading: the transformers test)
+    out_json = tmp_path / "out.json"
+    assert main(["--checkpoint", str(ckpt), "--max_new_tokens", "4", "--output_json",
+                 str(out_json), *sum((["--prompt_ids", ",".join(map(str, p))] for p in PROMPTS),
+                                     [])]) == 0
+    rows = json.loads(out_json.read_text())
+    assert [r["ids"] for r in rows] == generate(model, PROMPTS, max_new_tokens=4)
+    assert main(["--checkpoint", str(ckpt), "--prompt", "hi"]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+    assert main(["--checkpoint", str(ckpt), "--prompt_ids", "1,x"]) == 2
+    assert "--prompt_ids" in capsys.readouterr().err
