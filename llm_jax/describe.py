@@ -330,8 +330,10 @@ MEMORY_ASSUMPTIONS = (
 )
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-    """'data=2,fsdp=4' -> {'data': 2, 'fsdp': 4, 'tensor': 1, 'expert': 1}; '' = one device."""
+def parse_mesh(spec: str, *, allow_fill: bool = False) -> dict[str, int]:
+    """'data=2,fsdp=4' -> {'data': 2, 'fsdp': 4, 'tensor': 1, 'expert': 1}; '' = one device.
+
+    allow_fill: one size may be -1 (the rest of the devices; llm_jax.sharding.make_mesh)."""
     mesh = dict.fromkeys(MESH_AXES, 1)
     seen = set()
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -348,8 +350,9 @@ def parse_mesh(spec: str) -> dict[str, int]:
         except ValueError:
             raise ValueError(
                 f"--mesh {name}={value.strip()!r} is invalid: expected a positive integer") from None
-        if size < 1:
-            raise ValueError(f"--mesh {name}={size} is invalid: expected a positive integer")
+        if size < 1 and not (allow_fill and size == -1):
+            raise ValueError(f"--mesh {name}={size} is invalid: expected a positive integer"
+                             + (" or -1" if allow_fill else ""))
         mesh[name] = size
         seen.add(name)
     return mesh
@@ -400,6 +403,38 @@ def memory_per_device(
     out.update(mesh=mesh, devices=math.prod(mesh.values()), tokens_per_device=tokens,
                assumptions=list(MEMORY_ASSUMPTIONS))
     return out
+
+
+def param_shardings(cfg: ModelConfig, mesh: dict[str, int]) -> list[dict[str, Any]]:
+    """Every parameter's logical axes, PartitionSpec (llm_jax.sharding.RULES) and per-device
+    shard shape on `mesh`; optimizer moments are laid out the same. Needs no devices."""
+    import jax
+    from flax import nnx
+
+    from llm_jax.model import abstract_model
+    from llm_jax.sharding import logical_to_spec, spec_axes
+
+    rows = []
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    for path, v in jax.tree_util.tree_leaves_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = tuple(v.get_metadata().get("out_sharding") or ())
+        spec = logical_to_spec(names)
+        entries = tuple(spec) + (None,) * (len(v.shape) - len(spec))
+        shard = [n // math.prod(mesh[a] for a in spec_axes(e)) for n, e in zip(v.shape, entries)]
+        rows.append({"param": "/".join(str(getattr(k, "key", k)) for k in path),
+                     "shape": list(v.shape), "logical": list(names), "spec": str(spec),
+                     "shard": shard})
+    return rows
+
+
+def format_shardings(rows: list[dict[str, Any]], mesh: dict[str, int]) -> str:
+    width = max(len(r["param"]) for r in rows)
+    mesh_s = ",".join(f"{a}={n}" for a, n in mesh.items())
+    lines = [f"## Parameter shardings (mesh {mesh_s}; Adam m and v are laid out the same)"]
+    lines += [f"{r['param']:<{width}}  {str(tuple(r['shape'])):<22} {str(tuple(r['logical'])):<44}"
+              f" {r['spec']:<36} shard {tuple(r['shard'])}" for r in rows]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +615,11 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         print(f"llm_jax.describe: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(json.dumps(report, indent=2) if FLAGS.json else format_report(report))
+    if FLAGS.shardings:
+        report["shardings"] = param_shardings(ModelConfig.from_dict(FLAGS.config.model.to_dict()),
+                                              mesh)
+    print(json.dumps(report, indent=2) if FLAGS.json else format_report(report) + (
+        "\n\n" + format_shardings(report["shardings"], mesh) if FLAGS.shardings else ""))
 
 
 if __name__ == "__main__":
@@ -593,5 +632,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
     flags.DEFINE_string("mesh", "", "mesh axis sizes, e.g. data=2,fsdp=4,tensor=1,expert=1")
     flags.DEFINE_bool("json", False, "print the report as JSON")
+    flags.DEFINE_bool("shardings", False, "also list every parameter's logical axes, "
+                      "PartitionSpec and per-device shard shape on --mesh")
     flags.mark_flag_as_required("config")
     app.run(main, flags_parser=_parse_flags)

@@ -263,19 +263,3 @@ def no_mesh():
     """A context with no mesh (for code that must run the single-device path)."""
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         yield
-
-
-def describe_shardings(state: Any, mesh: Mesh, rules=RULES) -> list[tuple[str, tuple, str, str]]:
-    """(path, shape, logical names, PartitionSpec) of every variable: what `--shardings` prints."""
-    rows = []
-    shardings = state_shardings(state, mesh, rules)
-
-    def one(path, v, s):
-        names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
-        spec = _unwrap(s).spec
-        rows.append((jax.tree_util.keystr(path), tuple(v.shape), str(tuple(names or ())),
-                     str(spec)))
-
-    jax.tree_util.tree_map_with_path(one, state, shardings,
-                                     is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return rows

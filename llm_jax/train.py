@@ -19,13 +19,13 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from llm_jax import describe
+from llm_jax import describe, distributed
 from llm_jax.checkpointing import Checkpointer, check_same_model
 from llm_jax.config import ModelConfig
 from llm_jax.metrics import MetricsWriter, read_metrics
 from llm_jax.peak import measure_matmul_flops
 from llm_jax.run_config import model_config
-from llm_jax.sharding import make_mesh
+from llm_jax.sharding import mesh_from_config
 from llm_jax.train_step import Steps, compile_steps
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file, e.g. configs/tiny.py.",
@@ -49,7 +49,7 @@ def evaluate(steps: Steps, params: Any, data: Any, num_batches: int) -> dict[str
     """Validation loss (nats/token), perplexity and bits per byte over `num_batches` batches."""
     totals: dict[str, float] = {}
     for batch in data.make_eval_iter(num_batches):
-        out = steps.eval(params, jax.device_put(batch, steps.batch_sharding))
+        out = steps.eval(params, distributed.global_batch(batch, steps.batch_sharding))
         for k, v in jax.device_get(out).items():
             totals[k] = totals.get(k, 0.0) + float(v)
     if not totals:
@@ -87,15 +87,22 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     tc = cfg.train
     ensure_writable(workdir)
     is_main = jax.process_index() == 0
-    mesh = make_mesh()
+    mesh = mesh_from_config(cfg.mesh)
+    logging.info("mesh %s over %d devices in %d process(es)", dict(mesh.shape), mesh.size,
+                 jax.process_count())
     ckpt = Checkpointer(workdir, max_to_keep=cfg.checkpoint.max_to_keep,
                         async_save=cfg.checkpoint.async_save)
     latest = ckpt.latest_step()
     if latest is not None:  # refuse before any expensive work
         check_same_model(ckpt.restore_config(latest), mcfg, ckpt.directory)
 
+    # Process 0 builds the tokenizer and token caches in the workdir; the others then read them.
+    if not is_main:
+        distributed.barrier("data")
     data = make_datasets(cfg.data, workdir=workdir, vocab_size=mcfg.vocab_size,
                          global_batch_size=tc.batch_size)
+    if is_main:
+        distributed.barrier("data")
     if data.tokenizer.vocab_size != mcfg.vocab_size:
         raise ValueError(f"tokenizer in {workdir} has vocab {data.tokenizer.vocab_size}, "
                          f"model.vocab_size is {mcfg.vocab_size}")
@@ -124,7 +131,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     last: dict[str, Any] = {}
     t_log, steps_since_log = time.perf_counter(), 0
     for step in range(start, tc.num_steps):
-        batch = jax.device_put(next(data.train_iter), steps.batch_sharding)
+        batch = distributed.global_batch(next(data.train_iter), steps.batch_sharding)
         state, metrics = steps.train(state, batch)
         steps_since_log += 1
         done = step + 1
@@ -164,7 +171,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         plot_losses(records, os.path.join(workdir, "loss.png"))
         plot_expert_load(records, os.path.join(workdir, "expert_load.png"))
         samples = []
-        if tc.num_samples:
+        if tc.num_samples and jax.process_count() == 1:  # multi-host params are not all here
             samples = sample_text(state.params, mcfg, data.tokenizer, seed=cfg.seed,
                                   num_samples=tc.num_samples)
         with open(os.path.join(workdir, "samples.txt"), "w") as f:
@@ -191,9 +198,13 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--config is required, e.g. --config configs/tiny.py")
     workdir = _WORKDIR.value or os.path.join("runs", cfg.name)
     jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "xla_cache"))
+    distributed.initialize(cfg.distributed)  # before anything touches a device
+    if not distributed.is_main():  # logs and metrics from process 0 only
+        logging.set_verbosity(logging.WARNING)
     last = train(cfg, workdir)
     summary = {k: v for k, v in last.items() if k != "expert_load"}
-    print("final:", " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
+    if distributed.is_main():
+        print("final:", " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,22 @@ def test_optimizer_state_gets_the_param_shardings():
     assert moments == 2 * len(flat_p)
 
 
+def test_describe_lists_every_param_sharding_from_the_same_rules():
+    from flax import nnx
+
+    from llm_jax import describe
+    from llm_jax.model import abstract_model
+
+    mesh = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 4}
+    rows = {r["param"]: r for r in describe.param_shardings(tiny_model(), mesh)}
+    state = nnx.state(abstract_model(tiny_model()), nnx.Param)
+    assert len(rows) == len(jax.tree.leaves(state))
+    gate_up = rows["layers/mlp/gate_up_proj"]  # [L, E, D, 2F]
+    assert gate_up["spec"] == "P(None, 'expert', 'fsdp', 'tensor')"
+    assert gate_up["shard"] == [2, 8 // 4, 32 // 2, 64 // 2]
+    assert rows["embedding"]["spec"] == "P('tensor', 'fsdp')"
+
+
 # --------------------------------------------------------------------------- eight devices
 
 
