@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from llm_jax.kv_cache import KVCache, decode_step, init_cache, prefill, shard_cache
+from llm_jax.kv_cache import decode_step, init_cache, prefill, shard_cache
 
 MIN_BUCKET = 16
 
@@ -272,7 +272,8 @@ def generate(
         out, made, logits = _generate_jit(
             graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths),
             jnp.asarray(max_new_tokens, jnp.int32), jax.random.key(seed),
-            jnp.asarray(temperature, jnp.float32), jnp.asarray(min(int(top_k), cfg.vocab_size), jnp.int32),
+            jnp.asarray(temperature, jnp.float32),
+            jnp.asarray(min(int(top_k), cfg.vocab_size), jnp.int32),
             jnp.asarray(top_p, jnp.float32),
             jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32), plan=plan)
         out, made = np.asarray(out), np.asarray(made)
@@ -388,7 +389,8 @@ def format_bench(r: dict[str, Any]) -> str:
                    f"{j['decode_tokens_per_s'] / h['decode_tokens_per_s']:.1f}x"
                    if h else "- | - | -")
         lines.append(f"| {row['batch']} | {row['prompt_len']} | {row['new_tokens']} | "
-                     f"{j['prefill_s'] * 1e3:.1f} ms | {j['decode_tokens_per_s']:.1f} | {hf_cols} |")
+                     f"{j['prefill_s'] * 1e3:.1f} ms | {j['decode_tokens_per_s']:.1f} | "
+                     f"{hf_cols} |")
     lines += ["", "| sliding_window | context | real cache bytes | kv_cache_bytes | equal |",
               "|---|---|---|---|---|"]
     lines += [f"| {k['sliding_window']} | {k['context']} | {k['real_bytes']:,} | "

@@ -16,11 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from llm_jax import checkpoint_io as cio  # noqa: E402
 from llm_jax.config import ModelConfig  # noqa: E402
@@ -180,8 +178,11 @@ def test_new_prompts_and_settings_in_one_bucket_reuse_the_compiled_program(model
 
 def test_streaming_callback_sees_every_token_in_order(model):
     seen = []
-    ids = generate(model, PROMPTS, max_new_tokens=6,
-                   stream=lambda step, tok, active: seen.append((step, tok.tolist(), active.tolist())))
+
+    def sink(step, tokens, active):
+        seen.append((step, tokens.tolist(), active.tolist()))
+
+    ids = generate(model, PROMPTS, max_new_tokens=6, stream=sink)
     assert [s for s, _, _ in seen] == list(range(6))
     assert [[t[b] for _, t, _ in seen] for b in range(3)] == ids
 
