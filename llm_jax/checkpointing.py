@@ -6,21 +6,94 @@ Items of each step: `params` and `opt_state` (sharded arrays, restored onto the 
 Params are an item of their own so `load_pretrained(workdir)` restores them without the
 optimizer state. Saves are asynchronous; Orbax writes each step into a temporary directory and
 renames it when complete, so an interrupted save is never taken for a checkpoint.
+
+Crash safety (docs/reliability.md): a training run reports and removes the temporary
+directories a killed save left behind. Once a save has finished, process 0 writes
+`llm_jax_sha256.json` into the step's folder (size and sha256 of every file, hashed in a
+background thread); before a step is restored it is checked against it, and a step that fails
+(a truncated, zeroed or missing file) is named with the file, moved to
+WORKDIR/corrupt_checkpoints/ and the previous one is used instead. A step without the manifest
+(killed between the save and the manifest) is restored unverified, with a warning; one that then
+fails to restore is treated as corrupt too.
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import hashlib
+import json
 import os
+import shutil
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 from llm_jax.config import ModelConfig
 
 CHECKPOINT_DIR = "checkpoints"
+CORRUPT_DIR = "corrupt_checkpoints"
+MANIFEST = "llm_jax_sha256.json"
+TMP_MARKER = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being written
+
+
+def tmp_leftovers(directory: str) -> list[str]:
+    """Temporary step folders in `directory`: saves that were interrupted (or are running)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if TMP_MARKER in n)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(step_dir: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(step_dir):
+        out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names]
+    return sorted(f for f in out if f != MANIFEST and not f.endswith(".tmp"))
+
+
+def write_manifest(step_dir: str) -> None:
+    """Writes the step's checksum manifest (atomically: a reader never sees half of it)."""
+    try:
+        files = {f: [os.path.getsize(os.path.join(step_dir, f)), _sha256(os.path.join(step_dir, f))]
+                 for f in _files(step_dir)}
+    except FileNotFoundError:  # garbage-collected (max_to_keep) while being hashed
+        return
+    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, "algorithm": "sha256", "files": files}, f)
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify_manifest(step_dir: str) -> str | None:
+    """What is wrong with the step's files by its manifest, or None if they match.
+    Raises FileNotFoundError if the step has no manifest."""
+    with open(os.path.join(step_dir, MANIFEST)) as f:
+        try:
+            files = json.load(f)["files"]
+        except (ValueError, KeyError) as e:
+            return f"its manifest {MANIFEST} is unreadable ({e})"
+    for rel, (size, digest) in files.items():
+        path = os.path.join(step_dir, rel)
+        if not os.path.isfile(path):
+            return f"file {rel} is missing"
+        actual = os.path.getsize(path)
+        if actual != size:
+            return f"file {rel} has {actual} bytes, {size} when saved (truncated or overwritten)"
+        if _sha256(path) != digest:
+            return f"file {rel} does not match its sha256 from the save (corrupted)"
+    return None
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -50,11 +123,27 @@ class Checkpointer:
     """A thin, typed layer over `ocp.CheckpointManager` with this project's items."""
 
     def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True,
-                 create: bool = True):
+                 create: bool = True, cleanup_tmp: bool = False, checksums: bool = True):
+        """`cleanup_tmp` (a training run, the only writer): report and delete the temporary
+        folders of interrupted saves. Readers leave them: a save may be running."""
+        self.workdir = os.path.abspath(workdir)
         self.directory = checkpoint_dir(workdir)
+        self.is_writer = jax.process_index() == 0
+        self.checksums = checksums  # write manifests (they are verified whenever present)
+        self.problems: dict[int, str] = {}  # step -> why it was not restored
+        self._checked: set[int] = set()
+        if cleanup_tmp:
+            for path in tmp_leftovers(self.directory):
+                logging.warning("ignoring %s: an incomplete checkpoint (the save was interrupted); "
+                                "removing it", path)
+                if self.is_writer:
+                    shutil.rmtree(path, ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=create, enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._unhashed: list[int] = []
+        self._hashing: list[concurrent.futures.Future] = []
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -63,7 +152,8 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state: Any, *, config: dict[str, Any],
-             data_iter: grain.DatasetIterator | None, tokenizer_proto: bytes | None) -> bool:
+             data_iter: grain.DatasetIterator | None, tokenizer_proto: bytes | None,
+             progress: dict[str, Any] | None = None) -> bool:
         items: dict[str, Any] = {
             "params": ocp.args.StandardSave(state.params),
             "opt_state": ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
@@ -74,7 +164,93 @@ class Checkpointer:
         if tokenizer_proto is not None:
             items["tokenizer"] = ocp.args.JsonSave(
                 {"sentencepiece_model": base64.b64encode(tokenizer_proto).decode("ascii")})
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if progress is not None:  # loop counters, e.g. skipped_updates
+            items["progress"] = ocp.args.JsonSave(progress)
+        self.manager.wait_until_finished()  # Orbax's save waits for the previous one anyway
+        self._hash_finished()
+        saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if saved and self.is_writer and self.checksums:
+            self._unhashed.append(step)
+            if not self.manager.is_saving_in_progress():
+                self._hash_finished()
+        return saved
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _hash_finished(self) -> None:
+        """Manifests for the saves that have finished, hashed in the background."""
+        for step in self._unhashed:
+            self._hashing.append(self._hasher.submit(write_manifest, self.step_dir(step)))
+        self._unhashed = []
+
+    def check(self, step: int) -> str | None:
+        """Why step `step` must not be restored (named file), or None (warns if unverified)."""
+        if step in self._checked:
+            return self.problems.get(step)
+        self._checked.add(step)
+        try:
+            problem = verify_manifest(self.step_dir(step))
+        except FileNotFoundError:
+            logging.warning("checkpoint step %d in %s has no checksum manifest %s (the run was "
+                            "killed after the save, before the manifest, or predates manifests): "
+                            "restoring it unverified", step, self.directory, MANIFEST)
+            return None
+        if problem:
+            self.problems[step] = problem
+        return problem
+
+    def quarantine(self, step: int, problem: str) -> None:
+        """Reports a bad step and (training runs) moves it to WORKDIR/corrupt_checkpoints/."""
+        self.problems[step] = problem
+        self._checked.add(step)
+        dst = os.path.join(self.workdir, CORRUPT_DIR, str(step))
+        n = 1
+        while os.path.exists(dst):
+            dst, n = os.path.join(self.workdir, CORRUPT_DIR, f"{step}-{n}"), n + 1
+        logging.error("checkpoint step %d in %s is corrupt: %s; moving it to %s", step,
+                      self.directory, problem, dst)
+        if self.is_writer:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.move(self.step_dir(step), dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"quarantine_{step}")
+        self.manager.reload()
+
+    def good_steps(self, *, move_bad: bool = False) -> Iterator[int]:
+        """Steps newest first that pass `check`; reports the others (`move_bad`: quarantines)."""
+        for step in sorted(self.all_steps(), reverse=True):
+            problem = self.check(step)
+            if problem is None:
+                yield step
+            elif move_bad:
+                self.quarantine(step, problem)
+            else:
+                logging.error("checkpoint step %d in %s is corrupt: %s; not restoring it", step,
+                              self.directory, problem)
+
+    def latest_good_step(self, *, move_bad: bool = False) -> int | None:
+        return next(self.good_steps(move_bad=move_bad), None)
+
+    def first_restorable(self, restore: Callable[[int], Any], *, move_bad: bool = False
+                         ) -> tuple[int | None, Any]:
+        """(step, restore(step)) for the newest step that checks out and restores; the steps
+        that fail are reported (`move_bad`: quarantined). (None, None) if there is none."""
+        while (step := self.latest_good_step(move_bad=move_bad)) is not None:
+            try:
+                return step, restore(step)
+            except Exception as e:  # noqa: BLE001 - Orbax / tensorstore / JSON errors vary
+                problem = f"restoring it failed: {type(e).__name__}: {str(e)[:500]}"
+                if move_bad:
+                    self.quarantine(step, problem)
+                else:
+                    logging.error("checkpoint step %d in %s is corrupt: %s", step,
+                                  self.directory, problem)
+                    self.problems[step] = problem
+                    self._checked.add(step)
+        return None, None
 
     def restore_config(self, step: int | None = None) -> dict[str, Any]:
         step = self.latest_step() if step is None else step
@@ -94,6 +270,13 @@ class Checkpointer:
         return abstract_state.replace(params=out["params"], step=out["opt_state"]["step"],
                                       opt_state=out["opt_state"]["opt_state"])
 
+    def restore_progress(self, step: int) -> dict[str, Any]:
+        """The loop counters saved with `step` ({} for a checkpoint without them)."""
+        if not os.path.isdir(os.path.join(self.step_dir(step), "progress")):
+            return {}
+        out = self.manager.restore(step, args=ocp.args.Composite(progress=ocp.args.JsonRestore()))
+        return dict(out["progress"])
+
     def restore_tokenizer_proto(self, step: int) -> bytes | None:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
@@ -103,10 +286,17 @@ class Checkpointer:
         return base64.b64decode(out["tokenizer"]["sentencepiece_model"])
 
     def wait(self) -> None:
+        """Until the last save and its manifest are written."""
         self.manager.wait_until_finished()
+        self._hash_finished()
+        for f in self._hashing:
+            f.result()
+        self._hashing = []
 
     def close(self) -> None:
+        self.wait()
         self.manager.close()
+        self._hasher.shutdown()
 
 
 def check_same_model(saved_config: dict[str, Any], cfg: ModelConfig, directory: str) -> None:
@@ -122,22 +312,35 @@ def check_same_model(saved_config: dict[str, Any], cfg: ModelConfig, directory: 
 
 
 def restore_params(workdir: str, step: int | None = None):
-    """(ModelConfig, params State, tokenizer proto or None) of a training workdir's checkpoint."""
+    """(ModelConfig, params State, tokenizer proto or None) of a training workdir's checkpoint:
+    `step`, or the newest one that passes its checksums and restores (others are reported)."""
     from flax import nnx
 
     from llm_jax.model import abstract_model
 
     ckpt = Checkpointer(workdir, create=False, async_save=False)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise ValueError(f"{ckpt.directory} holds no complete checkpoint")
-    cfg = ModelConfig.from_dict(ckpt.restore_config(step)["model"])
-    abstract = nnx.state(abstract_model(cfg), nnx.Param)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                            abstract)
-    params = ckpt.manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract)))["params"]
-    proto = ckpt.restore_tokenizer_proto(step)
-    ckpt.close()
-    return cfg, params, proto
+
+    def restore(s: int):
+        cfg = ModelConfig.from_dict(ckpt.restore_config(s)["model"])
+        abstract = nnx.state(abstract_model(cfg), nnx.Param)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                                abstract)
+        params = ckpt.manager.restore(s, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract)))["params"]
+        return cfg, params, ckpt.restore_tokenizer_proto(s)
+
+    try:
+        if step is not None:
+            if problem := ckpt.check(step):
+                raise ValueError(f"checkpoint step {step} in {ckpt.directory} is corrupt: "
+                                 f"{problem}")
+            return restore(step)
+        found, out = ckpt.first_restorable(restore)
+        if found is None:
+            bad = "; ".join(f"step {s}: {p}" for s, p in sorted(ckpt.problems.items()))
+            raise ValueError(f"{ckpt.directory} holds no complete checkpoint"
+                             + (f" that is intact ({bad})" if bad else ""))
+        return out
+    finally:
+        ckpt.close()

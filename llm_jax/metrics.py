@@ -4,6 +4,7 @@ TensorBoard event files. Only process 0 writes."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -59,8 +60,20 @@ class MetricsWriter:
 
 
 def read_metrics_lines(path: str) -> list[str]:
+    """The file's records; a line a kill cut short (not valid JSON) is dropped with a warning."""
+    lines = []
     with open(path) as f:
-        return [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError:
+                logging.getLogger(__name__).warning("%s:%d is not a JSON record (a write cut "
+                                                    "short?); dropping it", path, n)
+                continue
+            lines.append(line if line.endswith("\n") else line + "\n")
+    return lines
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

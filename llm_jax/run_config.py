@@ -51,6 +51,11 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.train.eval_batches = 8
     cfg.train.num_samples = 3  # lines of text sampled at the end of the run
     cfg.train.peak_flops = 0.0  # MFU denominator in FLOP/s; 0 = measure a matmul at start-up
+    # A step whose loss or gradient norm is not finite stops the run, naming the step and the
+    # last good checkpoint; True instead skips that update (params and moments kept) and counts
+    # it in the metrics as skipped_updates (docs/reliability.md).
+    cfg.train.skip_nonfinite_updates = False
+    cfg.train.inject_nan_at_step = -1  # fault injection (llm_jax.faults): NaN loss at step N
 
     # Device mesh (llm_jax.sharding): sizes within a slice / node; one may be -1 (the rest).
     # dcn_* multiply them across TPU slices or GPU nodes (the data-center network). See
@@ -77,7 +82,67 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.checkpoint.every_steps = 250
     cfg.checkpoint.max_to_keep = 3
     cfg.checkpoint.async_save = True
+    # sha256 of every file of a finished save, hashed in a background thread (about 0.4 GB/s
+    # per core here) and checked before a restore; off for checkpoints too big to hash.
+    cfg.checkpoint.checksums = True
+    cfg.checkpoint.inject_kill_during_save_at_step = -1  # fault injection: kill -9 mid-save
     return cfg
+
+
+_MIN = {  # (section, field): smallest allowed value
+    ("train", "num_steps"): 0, ("train", "batch_size"): 1, ("train", "grad_accum_steps"): 1,
+    ("train", "warmup_steps"): 0, ("train", "log_every_steps"): 1, ("train", "eval_every_steps"): 0,
+    ("train", "eval_batches"): 1, ("train", "num_samples"): 0, ("train", "peak_flops"): 0,
+    ("train", "inject_nan_at_step"): -1, ("train", "grad_clip_norm"): 0,
+    ("train", "weight_decay"): 0, ("train", "min_lr_ratio"): 0,
+    ("checkpoint", "every_steps"): 1, ("checkpoint", "max_to_keep"): 1,
+    ("checkpoint", "inject_kill_during_save_at_step"): -1,
+}
+
+
+def _type_ok(value, default) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, type(default)) and not (isinstance(value, bool)
+                                                    and not isinstance(default, bool))
+
+
+def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
+    """Refuses unknown sections or fields, wrong types and out-of-range or conflicting values,
+    naming the field (`model` is checked by ModelConfig, `data` also by DataConfig)."""
+    reference = default_run_config(str(cfg.get("name", "")), ModelConfig())
+    unknown = sorted(set(cfg.keys()) - set(reference.keys()))
+    if unknown:
+        raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(reference.keys())}")
+    for section, defaults in reference.items():
+        if section == "model" or not isinstance(defaults, ml_collections.ConfigDict):
+            continue
+        if section not in cfg:
+            raise ValueError(f"config has no {section!r} section")
+        given = cfg[section]
+        unknown = sorted(set(given.keys()) - set(defaults.keys()))
+        if unknown:
+            raise ValueError(f"unknown config field(s) {[f'{section}.{k}' for k in unknown]}; "
+                             f"known in {section}: {sorted(defaults.keys())}")
+        for key, default in defaults.items():
+            if key in given and not _type_ok(given[key], default):
+                raise ValueError(f"config field {section}.{key}={given[key]!r} has type "
+                                 f"{type(given[key]).__name__}: expected "
+                                 f"{type(default).__name__} (default {default!r})")
+    for (section, key), low in _MIN.items():
+        if cfg[section][key] < low:
+            raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
+                             f"expected >= {low}")
+    tc = cfg.train
+    if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
+        raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "
+                         "expected a finite number > 0")
+    if tc.batch_size % tc.grad_accum_steps:
+        raise ValueError(f"train.batch_size={tc.batch_size} and train.grad_accum_steps="
+                         f"{tc.grad_accum_steps} conflict: the batch must split into equal "
+                         "microbatches")
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:

@@ -1,30 +1,39 @@
 """Train a model: `python -m llm_jax.train --config configs/tiny.py [--config.train.num_steps=100]`.
 
 The loop is the only impure part: it feeds batches to the jitted step, logs every
-`train.log_every_steps` (one host sync there, none in between), evaluates, checkpoints, and at
-the end draws the curves and samples a few lines. Rerunning with the same --workdir resumes from
-the latest checkpoint, exactly: params, optimizer, step and data iterator are restored.
+`train.log_every_steps` (one host sync there), evaluates, checkpoints, and at the end draws the
+curves and samples a few lines. Rerunning with the same --workdir resumes from the latest
+checkpoint, exactly: params, optimizer, step and data iterator are restored.
+
+Faults (docs/reliability.md): SIGTERM / SIGINT finish the step, save and exit (128 + signal);
+a second one exits at once. Interrupted saves are removed at start-up and corrupt checkpoints
+skipped (llm_jax.checkpointing). Each step returns an `isfinite` flag that the loop reads one
+step late, so the host stays a step ahead of the device, and before every save: a non-finite
+loss or gradient stops the run naming the step, or with `train.skip_nonfinite_updates` the step
+left params and moments as they were and is counted.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
+import sys
 import time
 from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from llm_jax import describe, distributed
+from llm_jax import describe, distributed, faults
 from llm_jax.checkpointing import Checkpointer, check_same_model
 from llm_jax.config import ModelConfig
 from llm_jax.metrics import MetricsWriter, read_metrics
 from llm_jax.peak import measure_matmul_flops
-from llm_jax.run_config import model_config
+from llm_jax.preemption import Interrupted, StopRequest
+from llm_jax.run_config import model_config, validate_run_config
 from llm_jax.sharding import mesh_from_config
 from llm_jax.train_step import Steps, compile_steps
 
@@ -78,11 +87,18 @@ def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Runs (or resumes) training; returns the last logged metrics."""
+    """Runs (or resumes) training; returns the last logged metrics. Raises `Interrupted` after
+    saving when a stop signal arrives, FloatingPointError on a non-finite step."""
+    with StopRequest() as stop:
+        return _train(cfg, workdir, stop)
+
+
+def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> dict[str, Any]:
     from tqdm import tqdm
 
     from llm_jax.data import make_datasets
 
+    validate_run_config(cfg)
     mcfg = model_config(cfg)
     tc = cfg.train
     ensure_writable(workdir)
@@ -91,10 +107,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     logging.info("mesh %s over %d devices in %d process(es)", dict(mesh.shape), mesh.size,
                  jax.process_count())
     ckpt = Checkpointer(workdir, max_to_keep=cfg.checkpoint.max_to_keep,
-                        async_save=cfg.checkpoint.async_save)
-    latest = ckpt.latest_step()
-    if latest is not None:  # refuse before any expensive work
-        check_same_model(ckpt.restore_config(latest), mcfg, ckpt.directory)
+                        async_save=cfg.checkpoint.async_save, cleanup_tmp=True,
+                        checksums=cfg.checkpoint.checksums)
+    # The newest checkpoint that passes its checksums and whose config reads; the others are
+    # reported and moved to WORKDIR/corrupt_checkpoints. Refuse a changed model before any
+    # expensive work.
+    latest, saved_config = ckpt.first_restorable(ckpt.restore_config, move_bad=True)
+    if latest is not None:
+        check_same_model(saved_config, mcfg, ckpt.directory)
 
     # Process 0 builds the tokenizer and token caches in the workdir; the others then read them.
     if not is_main:
@@ -106,13 +126,24 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if data.tokenizer.vocab_size != mcfg.vocab_size:
         raise ValueError(f"tokenizer in {workdir} has vocab {data.tokenizer.vocab_size}, "
                          f"model.vocab_size is {mcfg.vocab_size}")
+    if stop.signum:  # a signal during start-up: nothing new to save
+        raise Interrupted(f"stopped by signal {stop.signum} before training", -1, stop.signum)
     steps = compile_steps(mcfg, tc, mesh, cfg.seed)
+    progress: dict[str, Any] = {}
     if latest is not None:
-        state = ckpt.restore(latest, steps.abstract_state, data.train_iter)
+        latest, state = ckpt.first_restorable(
+            lambda s: ckpt.restore(s, steps.abstract_state, data.train_iter), move_bad=True)
+        if latest is None:
+            raise ValueError(f"no checkpoint in {ckpt.directory} restores "
+                             f"({'; '.join(f'step {s}: {p}' for s, p in ckpt.problems.items())})"
+                             "; they were moved aside: rerun to start from scratch")
         logging.info("resumed from step %d in %s", latest, ckpt.directory)
+        progress = ckpt.restore_progress(latest)
     else:
         state = steps.init()
     start = int(jax.device_get(state.step))
+    last_saved = start
+    skipped = int(progress.get("skipped_updates", 0))
 
     writer = MetricsWriter(workdir, enabled=is_main)
     writer.truncate_after(start)
@@ -126,43 +157,92 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     config_json = cfg.to_dict()
     proto = getattr(data.tokenizer, "_proto", None)
 
+    def check_finite(step: int, finite: Any) -> None:
+        """Stops (or counts a skip) if `step` was not finite; never lets it reach a save."""
+        nonlocal skipped
+        if bool(finite):
+            return
+        if tc.skip_nonfinite_updates:
+            skipped += 1
+            logging.warning("step %d: non-finite loss or gradients; update skipped (%d so far)",
+                            step, skipped)
+            return
+        ckpt.wait()  # an earlier, finite save in flight completes
+        raise FloatingPointError(
+            f"non-finite loss or gradients at step {step}: training stopped and nothing after "
+            f"step {last_saved} was saved. Last good checkpoint: step {ckpt.latest_step()} in "
+            f"{ckpt.directory}. Lower train.learning_rate or raise train.warmup_steps, or set "
+            "train.skip_nonfinite_updates=True to skip such updates")
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        ckpt.save(step, state, config=config_json, data_iter=data.train_iter,
+                  tokenizer_proto=proto, progress={"skipped_updates": skipped})
+        last_saved = step
+        faults.maybe_kill_during_save(step, cfg.checkpoint.inject_kill_during_save_at_step)
+
     bar = tqdm(total=tc.num_steps, initial=start, disable=not is_main, dynamic_ncols=True,
                desc="train")
     last: dict[str, Any] = {}
     t_log, steps_since_log = time.perf_counter(), 0
-    for step in range(start, tc.num_steps):
-        batch = distributed.global_batch(next(data.train_iter), steps.batch_sharding)
-        state, metrics = steps.train(state, batch)
-        steps_since_log += 1
-        done = step + 1
-        if done % tc.log_every_steps == 0 or done == tc.num_steps or done == start + 1:
-            m = jax.device_get(metrics)
-            now = time.perf_counter()
-            record = {k: (v if k == "expert_load" else float(v)) for k, v in m.items()}
-            if done > start + 1:  # the first step includes compilation
-                tps = steps_since_log * tokens_per_step / (now - t_log)
-                record |= {"tokens_per_sec": tps, "step_time": (now - t_log) / steps_since_log,
-                           "mfu": tps * flops_per_token / peak}
-            t_log, steps_since_log = now, 0
-            if tc.eval_every_steps and (done % tc.eval_every_steps == 0 or done == tc.num_steps):
-                record |= evaluate(steps, state.params, data, tc.eval_batches)
-                t_log = time.perf_counter()  # evaluation time is not training throughput
-            if not np.isfinite(record["loss"]):
-                raise FloatingPointError(
-                    f"non-finite loss {record['loss']} at step {done}; last good checkpoint: "
-                    f"step {ckpt.latest_step()}")
-            writer.write(done, record)
-            last = record
-            bar.set_postfix({k: f"{record[k]:.4g}" for k in
-                             ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_bpb")
-                             if k in record}, refresh=False)
-        bar.update(1)
-        if done % cfg.checkpoint.every_steps == 0 or done == tc.num_steps:
-            ckpt.save(done, state, config=config_json, data_iter=data.train_iter,
-                      tokenizer_proto=proto)
-    bar.close()
-    ckpt.wait()
-    ckpt.close()
+    unchecked = None  # (step, its isfinite flag), read after the next step is dispatched
+    try:
+        for step in range(start, tc.num_steps):
+            if stop.should_stop(step, agree=step % tc.log_every_steps == 0):
+                break
+            batch = distributed.global_batch(next(data.train_iter), steps.batch_sharding)
+            state, metrics = steps.train(state, batch)
+            if unchecked is not None:
+                check_finite(*unchecked)
+            steps_since_log += 1
+            done = step + 1
+            unchecked = (done, metrics.pop("finite"))
+            if done % tc.log_every_steps == 0 or done == tc.num_steps or done == start + 1:
+                m = jax.device_get(metrics)
+                now = time.perf_counter()
+                record = {k: (v if k == "expert_load" else float(v)) for k, v in m.items()}
+                if done > start + 1:  # the first step includes compilation
+                    tps = steps_since_log * tokens_per_step / (now - t_log)
+                    record |= {"tokens_per_sec": tps,
+                               "step_time": (now - t_log) / steps_since_log,
+                               "mfu": tps * flops_per_token / peak}
+                t_log, steps_since_log = now, 0
+                if tc.eval_every_steps and (done % tc.eval_every_steps == 0
+                                            or done == tc.num_steps):
+                    record |= evaluate(steps, state.params, data, tc.eval_batches)
+                    t_log = time.perf_counter()  # evaluation time is not training throughput
+                if tc.skip_nonfinite_updates:
+                    check_finite(*unchecked)
+                    unchecked = None
+                    record["skipped_updates"] = float(skipped)
+                writer.write(done, record)  # a non-finite step is logged, then stops the run
+                last = record
+                if unchecked is not None:
+                    check_finite(*unchecked)
+                    unchecked = None
+                bar.set_postfix({k: f"{record[k]:.4g}" for k in
+                                 ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_bpb")
+                                 if k in record}, refresh=False)
+            bar.update(1)
+            if done % cfg.checkpoint.every_steps == 0 or done == tc.num_steps:
+                if unchecked is not None:
+                    check_finite(*unchecked)
+                    unchecked = None
+                save(done)
+        if unchecked is not None:
+            check_finite(*unchecked)
+        if stop.signum is not None:
+            completed = int(jax.device_get(state.step))
+            if completed != last_saved:
+                save(completed)
+            ckpt.wait()
+            name = "preemption" if stop.preempted else signal.Signals(stop.signum).name
+            raise Interrupted(
+                f"stopped by {name} after step {completed}: checkpoint step {completed} saved in "
+                f"{ckpt.directory}; rerun the same command to resume", completed, stop.signum)
+    finally:
+        bar.close()
+        ckpt.close()
 
     if is_main and os.path.exists(writer.path):
         from llm_jax.plots import plot_expert_load, plot_losses
@@ -190,6 +270,17 @@ def quiet_library_logs() -> None:
         lambda r: r.levelno >= pylogging.WARNING or "orbax" not in r.pathname)
 
 
+def _refuse_repeated_overrides(argv: list[str]) -> None:
+    """absl keeps the last of `--config.x=1 --config.x=2` silently; refuse the conflict."""
+    seen: dict[str, str] = {}
+    for arg in argv:
+        if arg.startswith("--config.") and "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            if key in seen and seen[key] != value:
+                raise app.UsageError(f"--{key} is given twice, as {seen[key]!r} and {value!r}")
+            seen[key] = value
+
+
 def main(argv: list[str]) -> None:
     del argv
     quiet_library_logs()
@@ -197,11 +288,17 @@ def main(argv: list[str]) -> None:
     if cfg is None:
         raise app.UsageError("--config is required, e.g. --config configs/tiny.py")
     workdir = _WORKDIR.value or os.path.join("runs", cfg.name)
-    jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "xla_cache"))
+    if not jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR wins (tests)
+        jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "xla_cache"))
     distributed.initialize(cfg.distributed)  # before anything touches a device
     if not distributed.is_main():  # logs and metrics from process 0 only
         logging.set_verbosity(logging.WARNING)
-    last = train(cfg, workdir)
+    _refuse_repeated_overrides(sys.argv[1:])
+    try:
+        last = train(cfg, workdir)
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
     summary = {k: v for k, v in last.items() if k != "expert_load"}
     if distributed.is_main():
         print("final:", " ".join(f"{k}={v:.4g}" for k, v in summary.items()))

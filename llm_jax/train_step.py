@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from llm_jax import faults
 from llm_jax.config import ModelConfig
 from llm_jax.model import Transformer
 from llm_jax.sharding import (batch_sharding, check_divisible, logical_axes, replicated,
@@ -102,8 +103,9 @@ def train_step(
     train: ml_collections.ConfigDict,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from `grad_accum_steps` microbatches of the global batch."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, train=train),
-                                 has_aux=True)
+    loss = functools.partial(loss_fn, graphdef=graphdef, train=train)
+    loss = faults.poison_loss(loss, state.step, train.get("inject_nan_at_step", -1))
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
     a = train.grad_accum_steps
     if a == 1:
         (_, metrics), grads = grad_fn(state.params, batch=batch)
@@ -122,7 +124,12 @@ def train_step(
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {**metrics, "grad_norm": grad_norm,
+    # One scalar the loop reads per step (llm_jax.train): a non-finite update is never saved.
+    finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm)
+    if train.get("skip_nonfinite_updates", False):  # keep the old params and moments
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+    metrics = {**metrics, "grad_norm": grad_norm, "finite": finite,
                "lr": learning_rate_schedule(train)(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

@@ -1,0 +1,102 @@
+"""Graceful stop on SIGTERM / SIGINT and on TPU preemption: finish the step, save, exit.
+
+The first signal only sets a flag; the train loop reads it (with `should_stop`) between steps,
+saves a checkpoint of the finished step (data state included) and raises `Interrupted`. A second
+signal exits at once with `os._exit`: whatever save is in flight is left as an Orbax temporary
+directory, which the next run reports and removes, so the last complete checkpoint is untouched.
+
+Multi-process runs: JAX's preemption service (on by default with `jax.distributed`) owns SIGTERM
+there and agrees on a step at which every process saves, `reached_preemption_sync_point`; this
+module then leaves SIGTERM to it and only catches SIGINT, whose flag the processes agree on at
+log steps (`should_stop(..., agree=True)`), so no process leaves a collective the others are in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+import jax
+from absl import logging
+
+_EXIT_NOW = "second signal %s: exiting now; the last complete checkpoint is kept\n"
+
+
+class Interrupted(Exception):
+    """Training stopped early on a signal or preemption, after saving a checkpoint."""
+
+    def __init__(self, message: str, step: int, signum: int):
+        super().__init__(message)
+        self.step = step
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
+
+
+def _jax_owns_sigterm() -> bool:
+    from jax._src import distributed as jax_distributed
+
+    state = jax_distributed.global_state
+    return state.client is not None and state.preemption_sync_manager is not None
+
+
+class StopRequest:
+    """Context manager that catches stop signals for the train loop (main thread only)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.preempted = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set from the main thread
+        signums = [signal.SIGINT] + ([] if _jax_owns_sigterm() else [signal.SIGTERM])
+        for s in signums:
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            sys.stderr.write(_EXIT_NOW % name)
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        self.signum = signum
+        logging.warning("%s received: finishing the current step, then saving a checkpoint "
+                        "(send it again to exit at once)", name)
+
+    def should_stop(self, step: int, *, agree: bool = False) -> bool:
+        """Whether to stop after `step`. Call after every step with the same steps on every
+        process; `agree=True` (at log steps) lets multi-process runs act on a local signal."""
+        from jax.experimental import multihost_utils
+
+        try:
+            preempted = multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # jax.distributed without the preemption service
+            preempted = False
+        if preempted:
+            self.preempted = True
+            self.signum = self.signum or signal.SIGTERM
+            return True
+        if jax.process_count() == 1:
+            return self.signum is not None
+        if not agree:
+            return False
+        from llm_jax import distributed
+
+        flags = distributed.process_allgather_int(self.signum or 0)
+        signum = max(flags)
+        if signum:
+            self.signum = signum
+        return bool(signum)
