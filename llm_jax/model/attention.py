@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.model.blockwise_attention import blockwise_attend, use_blockwise
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
 from llm_jax.sharding import constrain
@@ -117,7 +118,12 @@ class Attention(nnx.Module):
         b, t, _ = x_BTD.shape
         chex.assert_shape(positions_BT, (b, t))
         q, k, v = self.qkv(x_BTD, positions_BT)
-        mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
-        o = attend(q, k, v, self.sinks[...], mask)
+        if use_blockwise(b, t, t, cfg.num_attention_heads):  # long T: memory linear in T
+            o = blockwise_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
+                                 segment_ids_BT, segment_ids_BT)
+        else:
+            mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT,
+                                  segment_ids_BT)
+            o = attend(q, k, v, self.sinks[...], mask)
         chex.assert_shape(o, (b, t, cfg.num_attention_heads, cfg.head_dim))
         return self.out(o)

@@ -1,0 +1,86 @@
+"""What every benchmark shares: A/B timing, the machine's description, tables, JSON output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+DEFAULT_DIR = Path("runs/bench")
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name (else platform.processor())."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15 minute load averages (what `uptime` prints): how busy the machine was."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine() -> dict[str, Any]:
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+            "load_average": load_average()}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds one call takes; `fn` must block until its work is done."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def alternate(fns: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 1,
+              gap_s: float = 0.05) -> dict[str, list[float]]:
+    """Times each fn `repeats` times, interleaved A B A B ... after `warmup` untimed calls each,
+    so that the machine's drifting load falls on every contender alike. `gap_s` of sleep between
+    calls lets one runtime's spinning worker threads go idle before the other starts."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            time.sleep(gap_s)
+            times[name].append(timed(fn))
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; floats with 4 significant digits."""
+    def cell(x: Any) -> str:
+        return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(result: Mapping[str, Any], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=2, default=float))
+    return p
