@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -541,6 +542,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             indent=2))
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """Lets `llm_jax.generate(model, prompt_ids, ...)` call `generate` although the name is also
+    this module's (which `python -m llm_jax.generate` and `from llm_jax.generate import` need)."""
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

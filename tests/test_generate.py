@@ -24,6 +24,7 @@ from llm_jax import checkpoint_io as cio  # noqa: E402
 from llm_jax.config import ModelConfig  # noqa: E402
 from llm_jax.describe import kv_cache_bytes, kv_cache_lengths  # noqa: E402
 from llm_jax.generate import _generate_jit, bucket, generate, main  # noqa: E402
+from llm_jax.model import init_model  # noqa: E402
 from llm_jax.kv_cache import CACHE_AXES, cache_shardings, init_cache  # noqa: E402
 from llm_jax.sharding import logical_to_spec, make_mesh  # noqa: E402
 
@@ -285,3 +286,13 @@ def test_cli_takes_prompt_ids_without_a_tokenizer_and_names_bad_flags(model, tmp
     assert "tokenizer" in capsys.readouterr().err
     assert main(["--checkpoint", str(ckpt), "--prompt_ids", "1,x"]) == 2
     assert "--prompt_ids" in capsys.readouterr().err
+
+
+def test_package_level_generate_is_callable():
+    import llm_jax
+    from llm_jax.generate import generate as generate_fn
+
+    model = init_model(ModelConfig(num_hidden_layers=2, vocab_size=300, hidden_size=32,
+                                   intermediate_size=32, head_dim=8, num_experts=4))
+    assert llm_jax.generate(model, [1, 2, 3], max_new_tokens=4) == \
+        generate_fn(model, [1, 2, 3], max_new_tokens=4)
