@@ -5,7 +5,8 @@
 T = 8 x 256 tokens, D 256, F 256, k = 2 experts per token, float32. The active compute (k experts
 per token) is the same at every E, so a sparse dispatch (ragged, capacity) should stay flat
 while the dense one (every expert on every token) grows linearly in E. The timed call is the
-jitted grad of sum(MoE(x) * cotangent) w.r.t. the layer's params and x; the paths alternate.
+jitted grad of sum(MoE(x) * cotangent) w.r.t. the layer's params and x; every (E, path)
+pair takes its turn in each round (A B C ... A B C ...).
 """
 
 from __future__ import annotations
@@ -47,15 +48,15 @@ def run(*, repeats: int = 5, quick: bool = False, experts: tuple[int, ...] = EXP
         intermediate: int = 256, k: int = 2) -> dict[str, Any]:
     if quick:
         experts, tokens, hidden, intermediate, repeats = (4, 8), 64, 16, 16, 1
-    rows = []
+    fns = {}
     for e in experts:
         cfg = ModelConfig(num_experts=e, experts_per_token=k, hidden_size=hidden,
                           intermediate_size=intermediate)
-        fns = {p: fwd_bwd(cfg.replace(moe_dispatch=p), tokens) for p in paths}
-        times = alternate(fns, repeats=repeats)
-        rows.append({"num_experts": e, **{p: {"time_s": median(ts), "times_s": ts}
-                                          for p, ts in times.items()}})
-        print(format_rows(rows[-1:], paths), flush=True)
+        fns.update({(e, p): fwd_bwd(cfg.replace(moe_dispatch=p), tokens) for p in paths})
+    # Every (E, path) in one interleaved round, so load drift cannot fake a growth in E.
+    times = alternate(fns, repeats=repeats)
+    rows = [{"num_experts": e, **{p: {"time_s": median(times[e, p]), "times_s": times[e, p]}
+                                  for p in paths}} for e in experts]
     first = rows[0]
     growth = {p: rows[-1][p]["time_s"] / first[p]["time_s"] for p in paths}
     return {"benchmark": "moe", "machine": machine(), "repeats": repeats, "tokens": tokens,
