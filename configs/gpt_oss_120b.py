@@ -1,31 +1,17 @@
-"""gpt-oss-120b: 36 layers, 128 experts (top-4), 201,088 vocab, sliding window 128 on even layers."""
+"""gpt-oss-120b: gpt-oss-20b with 36 layers and 128 experts (top-4); everything else is shared."""
+
+import os
+import runpy
 
 import ml_collections
 
-from llm_jax.config import ModelConfig
-from llm_jax.run_config import default_run_config
+_GPT_OSS_20B = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                           "gpt_oss_20b.py"))
 
 
 def get_config() -> ml_collections.ConfigDict:
-    model = ModelConfig(
-        num_hidden_layers=36,
-        num_experts=128,
-        experts_per_token=4,
-        vocab_size=201088,
-        hidden_size=2880,
-        intermediate_size=2880,
-        head_dim=64,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        sliding_window=128,
-        initial_context_length=4096,
-        rope_theta=150000.0,
-        rope_scaling_factor=32.0,
-        rope_ntk_alpha=1.0,
-        rope_ntk_beta=32.0,
-        swiglu_limit=7.0,
-        dtype="bfloat16",
-        param_dtype="bfloat16",
-        moe_dispatch="ragged",
-    )
-    return default_run_config("gpt_oss_120b", model)
+    cfg = _GPT_OSS_20B["get_config"]()
+    cfg.name = "gpt_oss_120b"
+    cfg.model.num_hidden_layers = 36
+    cfg.model.num_experts = 128
+    return cfg
