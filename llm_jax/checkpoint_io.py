@@ -50,7 +50,8 @@ ARCH_FIELDS = (
     "rope_ntk_alpha", "rope_ntk_beta", "swiglu_limit",
 )
 # Fields a caller may change at load time: they choose how the function is computed, not what.
-OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "moe_dispatch", "moe_capacity_factor", "remat")
+OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "moe_dispatch", "moe_capacity_factor", "remat",
+                      "scan_layers")
 
 # OCP MX FP4 (E2M1) code points, low nibble first (GPT_OSS_SPEC.md, "MXFP4").
 FP4_VALUES = np.array(

@@ -33,7 +33,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from llm_jax.config import ModelConfig
+from llm_jax.config import EXECUTION_FIELDS, ModelConfig
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -302,6 +302,7 @@ class Checkpointer:
 def check_same_model(saved_config: dict[str, Any], cfg: ModelConfig, directory: str) -> None:
     """Refuses to resume a run whose saved model config differs from the requested one."""
     saved = ModelConfig.from_dict(saved_config["model"])
+    saved = saved.replace(**{k: getattr(cfg, k) for k in EXECUTION_FIELDS})
     if saved != cfg:
         diff = {k: (v, getattr(cfg, k)) for k, v in saved.to_dict().items()
                 if getattr(cfg, k) != v}

@@ -19,6 +19,9 @@ import jax.numpy as jnp
 MOE_DISPATCHES = ("dense", "ragged", "capacity", "expert_parallel")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rms", "layer")
+# How the same function is executed: changing them never changes a result, so a run may resume
+# with other values.
+EXECUTION_FIELDS = ("remat", "scan_layers")
 
 # Fixed by the gpt-oss reference, not design decisions (GPT_OSS_SPEC.md).
 RMS_NORM_EPS = 1e-5
@@ -64,6 +67,7 @@ class ModelConfig:
     prms_fraction: float = 0.0  # pRMSNorm: estimate the RMS from the first p of features; 0 = off
     norm_type: str = "rms"  # rms (gpt-oss) | layer (LayerNorm, for the norm benchmark)
     remat: bool = False  # recompute each layer's activations in the backward pass
+    scan_layers: bool = True  # one lax.scan over the stacked layers; False unrolls the loop
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:

@@ -67,6 +67,8 @@ FIELD_DOCS: dict[str, str] = {
     "norm_type": "rms (gpt-oss) or layer (LayerNorm, only to compare against)",
     "remat": "recompute each layer in the backward pass: saved activations drop to the layer "
              "inputs, for ~1 extra forward",
+    "scan_layers": "True: one lax.scan over the stacked layers (compile time flat in depth); "
+                   "False: the loop unrolled (no stacked carry buffers; faster for few layers)",
     "initializer_range": "std of the normal initialiser (output projections / sqrt(2L))",
 }
 

@@ -45,6 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from llm_jax.kv_cache import decode_step, init_cache, prefill, shard_cache
+from llm_jax.malloc import use_preferred_malloc
 
 MIN_BUCKET = 16
 
@@ -554,4 +555,5 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
+    use_preferred_malloc()
     sys.exit(main())

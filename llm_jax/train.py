@@ -30,8 +30,9 @@ from ml_collections import config_flags
 from llm_jax import describe, distributed, faults
 from llm_jax.checkpointing import Checkpointer, check_same_model
 from llm_jax.config import ModelConfig
+from llm_jax.malloc import active_malloc, use_preferred_malloc
 from llm_jax.metrics import MetricsWriter, read_metrics
-from llm_jax.peak import measure_matmul_flops
+from llm_jax.peak import measure_peak_flops
 from llm_jax.preemption import Interrupted, StopRequest
 from llm_jax.run_config import model_config, validate_run_config
 from llm_jax.sharding import mesh_from_config
@@ -104,8 +105,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     ensure_writable(workdir)
     is_main = jax.process_index() == 0
     mesh = mesh_from_config(cfg.mesh)
-    logging.info("mesh %s over %d devices in %d process(es)", dict(mesh.shape), mesh.size,
-                 jax.process_count())
+    logging.info("mesh %s over %d devices in %d process(es); host malloc: %s", dict(mesh.shape),
+                 mesh.size, jax.process_count(), active_malloc())
     ckpt = Checkpointer(workdir, max_to_keep=cfg.checkpoint.max_to_keep,
                         async_save=cfg.checkpoint.async_save, cleanup_tmp=True,
                         checksums=cfg.checkpoint.checksums)
@@ -150,7 +151,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     seq_len = cfg.data.seq_len
     tokens_per_step = tc.batch_size * seq_len
     flops_per_token = describe.flops_per_token(mcfg, seq_len, training=True)
-    peak = tc.peak_flops or measure_matmul_flops(mcfg.dtype)
+    peak = tc.peak_flops or measure_peak_flops(mcfg.dtype)["peak"]
     logging.info("model: %s params (%s active); %.3g train FLOPs/token; peak %.3g FLOP/s (%s)",
                  f"{describe.total_params(mcfg):,}", f"{describe.active_params(mcfg):,}",
                  flops_per_token, peak, mcfg.dtype)
@@ -305,4 +306,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    use_preferred_malloc()
     app.run(main)

@@ -172,6 +172,16 @@ def test_changed_model_config_is_refused_and_checkpoints_kept(corpus_dir, tmp_pa
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
 
 
+def test_resume_allows_other_execution_fields_but_not_other_numerics():
+    from llm_jax.checkpointing import check_same_model
+    from llm_jax.config import ModelConfig
+
+    saved = {"model": ModelConfig().to_dict()}
+    check_same_model(saved, ModelConfig(remat=True, scan_layers=False), "ckpts")
+    with pytest.raises(ValueError, match="moe_capacity_factor: saved 1.25 vs requested 2.0"):
+        check_same_model(saved, ModelConfig(moe_capacity_factor=2.0), "ckpts")
+
+
 def test_unwritable_workdir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

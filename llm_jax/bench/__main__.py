@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from llm_jax.malloc import use_preferred_malloc
+
 SUBCOMMANDS = ("peak", "train", "decode", "moe", "norm", "attention")
 
 
@@ -45,5 +47,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_preferred_malloc()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     sys.exit(main())

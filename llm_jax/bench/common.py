@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from llm_jax.malloc import active_malloc
+
 DEFAULT_DIR = Path("runs/bench")
 
 
@@ -39,7 +41,7 @@ def machine() -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
             "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
-            "load_average": load_average()}
+            "load_average": load_average(), "malloc": active_malloc()}
 
 
 def timed(fn: Callable[[], Any]) -> float:

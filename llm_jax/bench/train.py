@@ -127,10 +127,11 @@ class TorchTrainer:
 
 
 def measure_peaks(dtypes, *, quick: bool) -> dict[str, float]:
-    from llm_jax.peak import measure_matmul_flops
+    """The MFU denominator per dtype: the faster of XLA's and (float32) NumPy's matmul."""
+    from llm_jax.peak import measure_peak_flops
 
-    n, repeats = (256, 2) if quick else (2048, 5)
-    return {d: measure_matmul_flops(d, n=n, repeats=repeats) for d in dtypes}
+    n, repeats = (256, 2) if quick else (2048, 9)
+    return {d: measure_peak_flops(d, n=n, repeats=repeats)["peak"] for d in dtypes}
 
 
 def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,

@@ -4,7 +4,10 @@ Shapes: B batch, T time, D hidden, V vocab, L layers, E experts.
 
 The L blocks are created stacked (every weight gets a leading `layers` axis) and run with one
 `jax.lax.scan`, so compile time does not grow with depth. Even and odd layers differ only in
-their sliding window, which is scanned as data next to the weights.
+their sliding window, which is scanned as data next to the weights. `scan_layers=False` unrolls
+the same scan: the weights stay stacked (one checkpoint layout), but XLA then sees L separate
+layers and needs no loop-carried buffers for the saved activations and stacked gradients, which
+on CPU cost about 5 % of a 4-layer step.
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ class Transformer(nnx.Module):
 
         if cfg.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        x, aux = jax.lax.scan(body, x, (layer_state, windows_L))
+        x, aux = jax.lax.scan(body, x, (layer_state, windows_L),
+                              unroll=1 if cfg.scan_layers else True)
         chex.assert_shape(x, (b, t, cfg.hidden_size))
         return self.norm(x), aux
 

@@ -67,17 +67,31 @@ def test_only_relative_positions_matter():
     assert float(jnp.max(jnp.abs(a - spread))) > 1e-3
 
 
+def _grads(cfg: ModelConfig, tokens: jax.Array):
+    model = init_model(cfg, seed=4)
+    g, p = nnx.split(model)
+    return jax.jit(jax.grad(lambda p: nnx.merge(g, p)(tokens).sum()))(p)
+
+
 def test_remat_gives_the_same_gradients():
     tokens = jax.random.randint(jax.random.key(4), (2, 7), 0, SMALL.vocab_size)
-
-    def grads(cfg):
-        model = init_model(cfg, seed=4)
-        g, p = nnx.split(model)
-        return jax.jit(jax.grad(lambda p: nnx.merge(g, p)(tokens).sum()))(p)
-
-    for a, b in zip(jax.tree.leaves(grads(SMALL)),
-                    jax.tree.leaves(grads(dataclasses.replace(SMALL, remat=True)))):
+    for a, b in zip(jax.tree.leaves(_grads(SMALL, tokens)),
+                    jax.tree.leaves(_grads(dataclasses.replace(SMALL, remat=True), tokens))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_unrolled_layers_give_the_same_logits_gradients_and_param_layout(remat):
+    tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, SMALL.vocab_size)
+    scanned = dataclasses.replace(SMALL, remat=remat, moe_dispatch="capacity")
+    unrolled = dataclasses.replace(scanned, scan_layers=False)
+    np.testing.assert_allclose(nnx.jit(init_model(scanned, seed=4))(tokens),
+                               nnx.jit(init_model(unrolled, seed=4))(tokens), rtol=1e-5, atol=1e-6)
+    a, b = _grads(scanned, tokens), _grads(unrolled, tokens)
+    assert jax.tree.structure(a) == jax.tree.structure(b)  # same stacked [L, ...] weights
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
 def _closed_form_param_count(c: ModelConfig) -> int:
