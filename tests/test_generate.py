@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -23,7 +24,7 @@ import pytest  # noqa: E402
 from llm_jax import checkpoint_io as cio  # noqa: E402
 from llm_jax.config import ModelConfig  # noqa: E402
 from llm_jax.describe import kv_cache_bytes, kv_cache_lengths  # noqa: E402
-from llm_jax.generate import _generate_jit, bucket, generate, main  # noqa: E402
+from llm_jax.generate import _generate_jit, bucket, generate, greedy_tokens, main  # noqa: E402
 from llm_jax.model import init_model  # noqa: E402
 from llm_jax.kv_cache import CACHE_AXES, cache_shardings, init_cache  # noqa: E402
 from llm_jax.sharding import logical_to_spec, make_mesh  # noqa: E402
@@ -189,6 +190,16 @@ def test_streaming_callback_sees_every_token_in_order(model):
 
 
 # ---------------------------------------------------------------------- sampling
+def test_greedy_tokens_equal_argmax_with_ties_and_nans():
+    rng = np.random.default_rng(0)
+    logits = rng.integers(0, 5, (64, 300)).astype(np.float32)  # many ties: the first one wins
+    logits[3, [7, 40]] = np.nan
+    logits[5] = -np.inf
+    logits[9, 299] = np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens)(jnp.asarray(logits))),
+                                  np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy(model):
     greedy = generate(model, PROMPTS, max_new_tokens=8)
     assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, top_k=1, seed=5) == greedy
@@ -212,7 +223,7 @@ def test_kv_bytes_equal_the_size_of_a_real_cache(window, dtype):
         assert cache.nbytes == kv_cache_bytes(cfg, length, batch=2, dtype=dtype)
         sliding = [n for n, w in zip(kv_cache_lengths(cfg, length), cfg.layer_windows) if w]
         assert cache.k_sliding.shape[0] == len(sliding)
-        assert all(n == cache.k_sliding.shape[2] for n in sliding)  # capped at min(len, W)
+        assert all(n == cache.k_sliding.shape[3] for n in sliding)  # capped at min(len, W)
     assert init_cache(cfg, 2, 1000).nbytes < 2 * init_cache(cfg, 2, 500).nbytes + 1  # linear
 
 
@@ -220,7 +231,7 @@ def test_cache_is_sharded_by_the_logical_rules_on_a_one_device_mesh(model):
     mesh = make_mesh({"data": 1})
     spec = cache_shardings(mesh).k_full.spec
     assert spec == logical_to_spec(CACHE_AXES)
-    assert spec[1] == logical_to_spec(("batch",))[0] and spec[3] == "tensor"
+    assert spec[1] == logical_to_spec(("batch",))[0] and spec[2] == "tensor"
     assert generate(model, PROMPTS, max_new_tokens=5, mesh=mesh) == \
         generate(model, PROMPTS, max_new_tokens=5)
 
