@@ -163,6 +163,11 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int, ...]:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
+    @property
+    def scan_unroll(self) -> int | bool:
+        """`unroll` for every `lax.scan` over the layers (training, prefill, decode)."""
+        return 1 if self.scan_layers else True
+
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

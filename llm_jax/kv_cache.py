@@ -189,7 +189,7 @@ def run_layers(model: nnx.Module, x: jax.Array, cache: KVCache,
 
     if groups:
         (x, cache), _ = jax.lax.scan(group, (x, cache), (group_states, jnp.arange(groups)),
-                                     unroll=1 if cfg.scan_layers else True)
+                                     unroll=cfg.scan_unroll)
     for layer in range(groups * period, cfg.num_hidden_layers):  # at most one, sliding
         block = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], state))
         x, cache = layer_fn(block, x, cache, windows[layer] > 0, jnp.asarray(groups),

@@ -4,8 +4,8 @@ XLA:CPU allocates each step's temporaries afresh and frees them at its end. glib
 blocks this large straight back to the kernel (mmap/munmap), so every step faults in and zeroes
 its working set again. For configs/tiny.py at 8 x 256 that is about 160,000 page faults and
 0.45 s of system time per 1.1 s step. tcmalloc keeps freed pages, and the step takes about 25 %
-less time (docs/benchmarks.md). This is the host-memory setup that PyTorch's and TPU VMs' perf
-guides recommend too.
+less time (docs/benchmarks.md). PyTorch's CPU performance guide recommends the same
+(tcmalloc or jemalloc).
 
 `LLM_JAX_MALLOC` chooses: `auto` (the default: tcmalloc when found, else the system malloc),
 `system`, or a path to a malloc library to preload. On Debian/Ubuntu:
