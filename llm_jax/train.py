@@ -187,14 +187,19 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     last: dict[str, Any] = {}
     t_log, steps_since_log = time.perf_counter(), 0
     unchecked = None  # (step, its isfinite flag), read after the next step is dispatched
+
+    def check_pending() -> None:
+        nonlocal unchecked
+        if unchecked is not None:
+            check_finite(*unchecked)
+            unchecked = None
     try:
         for step in range(start, tc.num_steps):
             if stop.should_stop(step, agree=step % tc.log_every_steps == 0):
                 break
             batch = distributed.global_batch(next(data.train_iter), steps.batch_sharding)
             state, metrics = steps.train(state, batch)
-            if unchecked is not None:
-                check_finite(*unchecked)
+            check_pending()
             steps_since_log += 1
             done = step + 1
             unchecked = (done, metrics.pop("finite"))
@@ -213,25 +218,19 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
                     record |= evaluate(steps, state.params, data, tc.eval_batches)
                     t_log = time.perf_counter()  # evaluation time is not training throughput
                 if tc.skip_nonfinite_updates:
-                    check_finite(*unchecked)
-                    unchecked = None
+                    check_pending()
                     record["skipped_updates"] = float(skipped)
                 writer.write(done, record)  # a non-finite step is logged, then stops the run
                 last = record
-                if unchecked is not None:
-                    check_finite(*unchecked)
-                    unchecked = None
+                check_pending()
                 bar.set_postfix({k: f"{record[k]:.4g}" for k in
                                  ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_bpb")
                                  if k in record}, refresh=False)
             bar.update(1)
             if done % cfg.checkpoint.every_steps == 0 or done == tc.num_steps:
-                if unchecked is not None:
-                    check_finite(*unchecked)
-                    unchecked = None
+                check_pending()
                 save(done)
-        if unchecked is not None:
-            check_finite(*unchecked)
+        check_pending()
         if stop.signum is not None:
             completed = int(jax.device_get(state.step))
             if completed != last_saved:
