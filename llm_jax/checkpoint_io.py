@@ -10,7 +10,7 @@ config attached (`model.cfg`):
   with `block.N.*` names, fused qkv, MoE weights (E, out, in), plain or MXFP4
   (`*.blocks` / `*.scales`).
   A directory holding only an `original/` subdirectory is read from there.
-Layouts and names: GPT_OSS_SPEC.md, "Checkpoint names". Only safetensors are read (by a small
+Layouts and names: docs/model.md, "Checkpoint layouts". Only safetensors are read (by a small
 reader of the format, because `safetensors.numpy` cannot read bfloat16); pickles are refused.
 Weights are filled into an abstract model (`nnx.eval_shape`), so nothing is randomly initialised.
 
@@ -42,7 +42,7 @@ HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
-# The 16 architecture numbers: OpenAI's config.json uses exactly these names (GPT_OSS_SPEC.md).
+# The 16 architecture numbers: OpenAI's config.json uses exactly these names (docs/model.md).
 ARCH_FIELDS = (
     "num_hidden_layers", "num_experts", "experts_per_token", "vocab_size", "hidden_size",
     "intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads",
@@ -53,7 +53,7 @@ ARCH_FIELDS = (
 OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "moe_dispatch", "moe_capacity_factor", "remat",
                       "scan_layers")
 
-# OCP MX FP4 (E2M1) code points, low nibble first (GPT_OSS_SPEC.md, "MXFP4").
+# OCP MX FP4 (E2M1) code points, low nibble first (docs/model.md, "MXFP4").
 FP4_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     np.float32,

@@ -1,6 +1,6 @@
 """ModelConfig: the gpt-oss design decisions as one frozen, hashable, validated dataclass.
 
-The 16 architecture numbers carry the names of the gpt-oss reference (see GPT_OSS_SPEC.md); the
+The 16 architecture numbers carry the names of the gpt-oss reference (docs/model.md); the
 rest are implementation choices (dtypes, MoE dispatch, the pRMSNorm fraction). The config is a
 pytree with no leaves, so it can be a static jit argument and pass through `jax.tree.map`.
 """
@@ -16,14 +16,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-MOE_DISPATCHES = ("dense", "ragged", "capacity", "expert_parallel")
+# model/moe_dispatch.py's table; "auto" picks a dropless one by shape and backend.
+MOE_DISPATCHES = ("auto", "dense", "ragged", "gather", "blocked", "capacity", "expert_parallel")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rms", "layer")
 # How the same function is executed: changing them never changes a result, so a run may resume
 # with other values.
 EXECUTION_FIELDS = ("remat", "scan_layers")
 
-# Fixed by the gpt-oss reference, not design decisions (GPT_OSS_SPEC.md).
+# Fixed by the gpt-oss reference, not design decisions (docs/model.md).
 RMS_NORM_EPS = 1e-5
 SWIGLU_ALPHA = 1.702
 
@@ -62,8 +63,10 @@ class ModelConfig:
     # Implementation choices.
     dtype: str = "float32"  # compute dtype of matmuls and activations
     param_dtype: str = "float32"  # storage dtype of weights (norm scales always float32)
-    moe_dispatch: str = "capacity"  # dense | ragged | capacity | expert_parallel (shard_map)
-    moe_capacity_factor: float = 1.25  # capacity path: slots per expert = factor * T * k / E
+    # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel) apply only to
+    # training calls (`train=True`); every other call computes the exact function.
+    moe_dispatch: str = "auto"
+    moe_capacity_factor: float = 1.25  # dropping dispatches: slots per expert = factor * T * k / E
     prms_fraction: float = 0.0  # pRMSNorm: estimate the RMS from the first p of features; 0 = off
     norm_type: str = "rms"  # rms (gpt-oss) | layer (LayerNorm, for the norm benchmark)
     remat: bool = False  # recompute each layer's activations in the backward pass

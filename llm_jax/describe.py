@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.moe import capacity
+from llm_jax.model.moe_dispatch import capacity
 
 # ---------------------------------------------------------------------------------------------
 # What each number controls.
@@ -58,10 +58,11 @@ FIELD_DOCS: dict[str, str] = {
     "dtype": "compute dtype of matmuls and activations: sets activation and KV-cache bytes",
     "param_dtype": "storage dtype of weights (norms, sinks, router stay float32): sets params "
                    "and grads bytes",
-    "moe_dispatch": "how tokens reach experts: dense (all E, E/k x the expert FLOPs), ragged "
-                    "(dropless grouped matmul), capacity (fixed slots)",
-    "moe_capacity_factor": "capacity dispatch: slots per expert = factor x T k / E; runs factor "
-                           "x the expert FLOPs, drops overflow",
+    "moe_dispatch": "how tokens reach experts: auto (dropless, by backend), dense (all E, E/k x "
+                    "the expert FLOPs), ragged / blocked / gather (dropless), capacity / "
+                    "expert_parallel (fixed slots; drop overflow in training only)",
+    "moe_capacity_factor": "dropping dispatches: slots per expert = factor x T k / E; runs "
+                           "factor x the expert FLOPs, drops overflow",
     "prms_fraction": "pRMSNorm: estimate the RMS from this fraction of features (0 = full "
                      "RMSNorm)",
     "norm_type": "rms (gpt-oss) or layer (LayerNorm, only to compare against)",
@@ -218,13 +219,14 @@ def decode_flops_per_token(cfg: ModelConfig, context_len: int) -> float:
 
 
 def expert_slots_per_token(cfg: ModelConfig, num_tokens: int) -> float:
-    """Expert computations the dispatch runs per token: k (ragged), E (dense), E x C / T
-    (capacity: every slot is computed, filled or not; ~factor x k)."""
+    """Expert computations a training step's dispatch runs per token: E (dense), E x C / T
+    (capacity, expert_parallel: every slot is computed, filled or not; ~factor x k), else k
+    (the dropless sparse dispatches)."""
     if cfg.moe_dispatch == "dense":
         return cfg.num_experts
-    if cfg.moe_dispatch == "ragged":
-        return cfg.experts_per_token
-    return cfg.num_experts * capacity(num_tokens, cfg) / num_tokens
+    if cfg.moe_dispatch in ("capacity", "expert_parallel"):
+        return cfg.num_experts * capacity(num_tokens, cfg) / num_tokens
+    return cfg.experts_per_token
 
 
 def executed_forward_flops_per_token(cfg: ModelConfig, seq_len: int, batch: int) -> float:

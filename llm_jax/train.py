@@ -76,13 +76,13 @@ def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
     """A few continuations of short code prompts, to see what the model learned."""
     from flax import nnx
 
-    from llm_jax.generate import generate
+    from llm_jax.inference import sample
     from llm_jax.model import abstract_model
 
     model = nnx.merge(nnx.graphdef(abstract_model(cfg)), jax.device_get(params))
     prompts = (["def ", "import ", "class ", "for ", "    return "] * num_samples)[:num_samples]
     ids = [tokenizer.encode(p) for p in prompts]
-    out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
+    out = sample(model, ids, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
                    seed=seed, eos_id=tokenizer.eos_id)
     return [p + tokenizer.decode(list(o)) for p, o in zip(prompts, out)]
 

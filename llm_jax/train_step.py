@@ -84,7 +84,7 @@ def loss_fn(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy + weighted MoE auxiliary losses (Switch load balancing, router z-loss)."""
     model = nnx.merge(graphdef, params)
-    logits_BTV, aux = model(batch["inputs"], return_aux=True)
+    logits_BTV, aux = model(batch["inputs"], train=True, return_aux=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"]).mean()
     lb = aux.load_balancing_loss.mean()
     z = aux.router_z_loss.mean()

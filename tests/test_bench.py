@@ -79,7 +79,7 @@ def test_attention_layer_chooses_blockwise_for_long_sequences_with_same_output()
     assert use_blockwise(1, t, t, cfg.num_attention_heads)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, t, 32)), jnp.float32)
     pos = jnp.arange(t)[None]
-    out = layer(x, pos, 0)
+    out, _ = layer(x, pos, 0)
     q, k, v = layer.qkv(x, pos)
     ref = layer.out(attend(q, k, v, layer.sinks[...], attention_mask(pos, pos, 0)))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -24,9 +24,12 @@ import pytest  # noqa: E402
 from llm_jax import checkpoint_io as cio  # noqa: E402
 from llm_jax.config import ModelConfig  # noqa: E402
 from llm_jax.describe import kv_cache_bytes, kv_cache_lengths  # noqa: E402
-from llm_jax.generate import _generate_jit, bucket, generate, greedy_tokens, main  # noqa: E402
+from llm_jax.generate import main  # noqa: E402
+from llm_jax.inference.loop import bucket, generate_jit  # noqa: E402
+from llm_jax.inference.sampler import sample as generate  # noqa: E402
+from llm_jax.inference.sampling import greedy_tokens  # noqa: E402
 from llm_jax.model import init_model  # noqa: E402
-from llm_jax.kv_cache import CACHE_AXES, cache_shardings, init_cache  # noqa: E402
+from llm_jax.model.kv_cache import CACHE_AXES, cache_nbytes, cache_shardings, init_cache  # noqa: E402
 from llm_jax.sharding import logical_to_spec, make_mesh  # noqa: E402
 
 TOL = 1e-4
@@ -80,7 +83,7 @@ def recomputed_logits(model, prompts: list[list[int]], new: list[list[int]]) -> 
 
 
 # ---------------------------------------------------------------------- cache == recompute
-@pytest.mark.parametrize("window, dispatch", [(0, "dense"), (8, "dense"), (8, "capacity")])
+@pytest.mark.parametrize("window, dispatch", [(0, "dense"), (8, "dense"), (8, "capacity"), (8, "auto")])
 def test_cached_decoding_matches_full_recompute_past_the_window(model, window, dispatch):
     m = with_config(model, CFG.replace(sliding_window=window, moe_dispatch=dispatch))
     ref = with_config(model, CFG.replace(sliding_window=window, moe_dispatch="dense"))
@@ -171,10 +174,10 @@ def test_generation_stops_at_eos_and_includes_it(model):
 def test_new_prompts_and_settings_in_one_bucket_reuse_the_compiled_program(model):
     generate(model, [[1, 2, 3], [4, 5], [6]], max_new_tokens=9, temperature=0.7, top_p=0.9,
              seed=1)
-    before = _generate_jit._cache_size()
+    before = generate_jit._cache_size()
     generate(model, [[1, 2, 3, 4, 5, 6], [7], [8, 9]], max_new_tokens=14, temperature=1.3,
              top_k=5, top_p=0.5, seed=2, eos_id=4)
-    assert _generate_jit._cache_size() == before
+    assert generate_jit._cache_size() == before
     assert bucket(1) == bucket(16) == 16 and bucket(17) == 32 and bucket(1500) == 2048
 
 
@@ -220,18 +223,19 @@ def test_kv_bytes_equal_the_size_of_a_real_cache(window, dtype):
     cfg = CFG.replace(sliding_window=window)
     for length in (3, 8, 100, 1000):
         cache = init_cache(cfg, 2, length, dtype)
-        assert cache.nbytes == kv_cache_bytes(cfg, length, batch=2, dtype=dtype)
-        sliding = [n for n, w in zip(kv_cache_lengths(cfg, length), cfg.layer_windows) if w]
-        assert cache.k_sliding.shape[0] == len(sliding)
-        assert all(n == cache.k_sliding.shape[3] for n in sliding)  # capped at min(len, W)
-    assert init_cache(cfg, 2, 1000).nbytes < 2 * init_cache(cfg, 2, 500).nbytes + 1  # linear
+        assert cache_nbytes(cache) == kv_cache_bytes(cfg, length, batch=2, dtype=dtype)
+        # Sliding layers are capped at min(len, W), full layers hold every position.
+        assert [c.slots for c in cache] == list(kv_cache_lengths(cfg, length))
+        assert all(c.k.shape == c.v.shape == (2, cfg.num_key_value_heads, c.slots, cfg.head_dim)
+                   for c in cache)
+    assert cache_nbytes(init_cache(cfg, 2, 1000)) < 2 * cache_nbytes(init_cache(cfg, 2, 500)) + 1
 
 
 def test_cache_is_sharded_by_the_logical_rules_on_a_one_device_mesh(model):
     mesh = make_mesh({"data": 1})
-    spec = cache_shardings(mesh).k_full.spec
+    spec = cache_shardings(mesh, CFG)[1].k.spec
     assert spec == logical_to_spec(CACHE_AXES)
-    assert spec[1] == logical_to_spec(("batch",))[0] and spec[2] == "tensor"
+    assert spec[0] == logical_to_spec(("batch",))[0] and spec[1] == "tensor"
     assert generate(model, PROMPTS, max_new_tokens=5, mesh=mesh) == \
         generate(model, PROMPTS, max_new_tokens=5)
 
@@ -299,11 +303,12 @@ def test_cli_takes_prompt_ids_without_a_tokenizer_and_names_bad_flags(model, tmp
     assert "--prompt_ids" in capsys.readouterr().err
 
 
-def test_package_level_generate_is_callable():
+def test_package_level_sample_is_the_api_even_after_the_cli_module_is_imported():
     import llm_jax
-    from llm_jax.generate import generate as generate_fn
+    import llm_jax.generate  # noqa: F401  (the CLI module must not shadow the API)
 
     model = init_model(ModelConfig(num_hidden_layers=2, vocab_size=300, hidden_size=32,
                                    intermediate_size=32, head_dim=8, num_experts=4))
-    assert llm_jax.generate(model, [1, 2, 3], max_new_tokens=4) == \
-        generate_fn(model, [1, 2, 3], max_new_tokens=4)
+    assert llm_jax.sample is generate
+    assert llm_jax.sample(model, [1, 2, 3], max_new_tokens=4) == \
+        generate(model, [1, 2, 3], max_new_tokens=4)

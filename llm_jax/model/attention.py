@@ -6,6 +6,11 @@ kv head, H head_dim. Query head n reads kv head n // G.
 The sink is one learned logit per query head appended as an extra column of every score row (not
 scaled by 1/sqrt(H)); the softmax runs over the row including it and the column is dropped, so
 rows sum to less than 1 and a head can attend to "nothing" (gpt-oss, after Xiao et al. 2023).
+
+One `Attention.__call__` serves every path: without a cache it is self-attention over the input
+(training, evaluation); with a `LayerCache` and T > 1 it is a prefill (self-attention over the
+prompt, whose keys and values then fill the empty cache); with T = 1 a decode step (the new key
+and value are written into their slot and the query attends over the cache).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from flax import nnx
 
 from llm_jax.config import ModelConfig
 from llm_jax.model.blockwise_attention import blockwise_attend, use_blockwise
+from llm_jax.model.kv_cache import LayerCache, append, fill, ring_positions
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
 from llm_jax.sharding import constrain
@@ -117,17 +123,40 @@ class Attention(nnx.Module):
         positions_BT: jax.Array,
         window: jax.Array | int,
         segment_ids_BT: jax.Array | None = None,
-    ) -> jax.Array:
+        cache: LayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """(output [B, T, D], the updated cache or None). See the module docstring for the
+        three modes; a prefill must start from an empty cache at positions 0..T-1."""
         cfg = self.cfg
         b, t, _ = x_BTD.shape
         chex.assert_shape(positions_BT, (b, t))
         q, k, v = self.qkv(x_BTD, positions_BT)
-        if use_blockwise(b, t, t, cfg.num_attention_heads):  # long T: memory linear in T
-            o = blockwise_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
-                                 segment_ids_BT, segment_ids_BT)
+        if cache is not None and t == 1:
+            o, cache = self.decode(q, k, v, positions_BT[:, 0], window, cache)
         else:
-            mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT,
-                                  segment_ids_BT)
-            o = attend(q, k, v, self.sinks[...], mask)
+            o = self.self_attend(q, k, v, positions_BT, window, segment_ids_BT)
+            if cache is not None:
+                valid = positions_BT if segment_ids_BT is None else \
+                    jnp.where(segment_ids_BT != 0, positions_BT, -1)
+                cache = fill(cache, k, v, jnp.max(valid, axis=1))
         chex.assert_shape(o, (b, t, cfg.num_attention_heads, cfg.head_dim))
-        return self.out(o)
+        return self.out(o), cache
+
+    def self_attend(self, q, k, v, positions_BT, window, segment_ids_BT) -> jax.Array:
+        b, t = positions_BT.shape
+        if use_blockwise(b, t, t, self.cfg.num_attention_heads):  # long T: memory linear in T
+            return blockwise_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
+                                    segment_ids_BT, segment_ids_BT)
+        mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
+        return attend(q, k, v, self.sinks[...], mask)
+
+    def decode(self, q, k, v, positions_B, window, cache: LayerCache):
+        """One new position per row: write it, then attend over every slot still visible."""
+        cache = append(cache, k[:, 0], v[:, 0], positions_B)
+        kv_positions_BS = ring_positions(positions_B, cache.slots)
+        mask = attention_mask(positions_B[:, None], kv_positions_BS, window, None,
+                              (kv_positions_BS >= 0).astype(jnp.int32))
+        cdt = self.cfg.compute_dtype
+        o = attend(q, jnp.swapaxes(cache.k, 1, 2).astype(cdt),
+                   jnp.swapaxes(cache.v, 1, 2).astype(cdt), self.sinks[...], mask)
+        return o, cache

@@ -1,23 +1,17 @@
-"""Top-k mixture of experts with clamped SwiGLU experts, and three ways to dispatch tokens.
+"""The MoE layer: a top-k router over E clamped-SwiGLU experts (gpt-oss).
 
-Shapes: T tokens (batch and time flattened), D hidden, E experts, k experts per token,
-F intermediate, C capacity slots per expert, A = T * k token-expert assignments.
+Shapes: B batch, T time (flattened with B inside the layer), D hidden, E experts, k experts per
+token, F intermediate.
 
-Router: `logits = x Wg + bg` in float32; the top k logits are softmaxed among themselves (gpt-oss).
+Router: `logits = x Wg + bg` in float32; the top k logits are softmaxed among themselves.
 Expert e: `h = x W1_e + b1_e` (2F wide, gate and linear parts interleaved), clamped SwiGLU
 `glu * sigmoid(1.702 glu) * (lin + 1)` with glu <= limit and |lin| <= limit, then `W2_e, b2_e`.
-
-Dispatch (`ModelConfig.moe_dispatch`), all computing the same function:
-- "dense": every expert on every token, weighted by a [T, E] combine matrix. The reference.
-- "ragged": dropless; assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls. TPU/GPU.
-- "capacity": each expert gets C = ceil(factor * A / E) slots, filled in token order with first
-  choices before second choices; assignments past capacity are dropped and counted. Batched
-  einsum over [E, C, D]: the fast path on CPU.
+How assignments reach the experts is `moe_dispatch.py`'s table; this module only routes and
+chooses from it.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import chex
@@ -25,18 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from llm_jax.config import SWIGLU_ALPHA, ModelConfig
+from llm_jax.config import ModelConfig
+from llm_jax.model.moe_dispatch import ExpertWeights, Routing, select_dispatch
 from llm_jax.model.params import normal, param, zeros
-from llm_jax.sharding import constrain
-
-
-class Routing(NamedTuple):
-    """Router outputs for T tokens."""
-
-    logits_TE: jax.Array  # float32 router logits
-    experts_Tk: jax.Array  # int32 chosen expert ids, best first
-    weights_Tk: jax.Array  # float32 softmax over the chosen logits
-
 
 class MoEAux(NamedTuple):
     """Per-layer auxiliary outputs for training and monitoring."""
@@ -64,80 +49,6 @@ def router_aux(routing: Routing, num_experts: int) -> tuple[jax.Array, jax.Array
     return lb, z, load_E
 
 
-def swiglu(h: jax.Array, limit: float) -> jax.Array:
-    """gpt-oss clamped SwiGLU on interleaved [..., 2F] pre-activations -> [..., F]."""
-    glu, lin = h[..., 0::2], h[..., 1::2]
-    glu = jnp.minimum(glu, limit)
-    lin = jnp.clip(lin, -limit, limit)
-    return glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)
-
-
-class ExpertWeights(NamedTuple):
-    gate_up_EDF2: jax.Array
-    gate_up_bias_EF2: jax.Array
-    down_EFD: jax.Array
-    down_bias_ED: jax.Array
-
-
-def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
-    t = x_TD.shape[0]
-    e = w.gate_up_EDF2.shape[0]
-    h = jnp.einsum("TD,EDF->TEF", x_TD, w.gate_up_EDF2) + w.gate_up_bias_EF2
-    y_TED = jnp.einsum("TEF,EFD->TED", swiglu(h, limit), w.down_EFD) + w.down_bias_ED
-    combine_TE = jnp.zeros((t, e), jnp.float32).at[
-        jnp.arange(t)[:, None], routing.experts_Tk].add(routing.weights_Tk)
-    return jnp.einsum("TED,TE->TD", y_TED, combine_TE.astype(y_TED.dtype))
-
-
-def moe_ragged(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
-    t, d = x_TD.shape
-    k = routing.experts_Tk.shape[1]
-    e = w.gate_up_EDF2.shape[0]
-    experts_A = routing.experts_Tk.reshape(-1)
-    order_A = jnp.argsort(experts_A, stable=True)
-    sorted_experts_A = experts_A[order_A]
-    x_AD = x_TD[order_A // k]
-    group_sizes_E = jnp.bincount(experts_A, length=e).astype(jnp.int32)
-    h = jax.lax.ragged_dot(x_AD, w.gate_up_EDF2, group_sizes_E) + w.gate_up_bias_EF2[sorted_experts_A]
-    y_AD = jax.lax.ragged_dot(swiglu(h, limit), w.down_EFD, group_sizes_E) \
-        + w.down_bias_ED[sorted_experts_A]
-    y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to (token, choice) order
-    y_TkD = y_AD.reshape(t, k, d)
-    return jnp.einsum("TkD,Tk->TD", y_TkD, routing.weights_Tk.astype(y_TkD.dtype))
-
-
-def capacity(num_tokens: int, cfg: ModelConfig) -> int:
-    """Slots per expert: ceil(factor * T * k / E), at most T (an expert sees a token once)."""
-    slots = math.ceil(cfg.moe_capacity_factor * num_tokens * cfg.experts_per_token / cfg.num_experts)
-    return max(1, min(num_tokens, slots))
-
-
-def moe_capacity(
-    x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, num_slots: int
-) -> tuple[jax.Array, jax.Array]:
-    """Returns (output [T, D], fraction of assignments dropped)."""
-    t, d = x_TD.shape
-    k = routing.experts_Tk.shape[1]
-    e = w.gate_up_EDF2.shape[0]
-    # Priority: all first choices (in token order), then all second choices, ...
-    experts_A = routing.experts_Tk.T.reshape(-1)  # [k*T], choice-major
-    onehot_AE = jax.nn.one_hot(experts_A, e, dtype=jnp.int32)
-    slot_A = jnp.sum((jnp.cumsum(onehot_AE, axis=0) - 1) * onehot_AE, axis=-1)
-    kept_A = slot_A < num_slots
-    token_A = jnp.tile(jnp.arange(t, dtype=jnp.int32), k)
-    # Scatter token ids into [E, C] slots; empty slots point at token 0 and are never combined.
-    flat_slot_A = jnp.where(kept_A, experts_A * num_slots + slot_A, e * num_slots)
-    slot_token = jnp.zeros((e * num_slots + 1,), jnp.int32).at[flat_slot_A].set(token_A)
-    x_ECD = constrain(x_TD[slot_token[:-1]].reshape(e, num_slots, d), ("experts", None, None))
-    h = jnp.einsum("ECD,EDF->ECF", x_ECD, w.gate_up_EDF2) + w.gate_up_bias_EF2[:, None]
-    y_ECD = jnp.einsum("ECF,EFD->ECD", swiglu(h, limit), w.down_EFD) + w.down_bias_ED[:, None]
-    y_AD = y_ECD.reshape(e * num_slots, d)[jnp.minimum(flat_slot_A, e * num_slots - 1)]
-    weights_A = routing.weights_Tk.T.reshape(-1) * kept_A
-    y_kTD = (y_AD * weights_A[:, None].astype(y_AD.dtype)).reshape(k, t, d)
-    drop_fraction = 1.0 - jnp.mean(kept_A.astype(jnp.float32))
-    return jnp.sum(y_kTD, axis=0), drop_fraction
-
-
 class MoE(nnx.Module):
     """Router + E clamped-SwiGLU experts; weights in the Hugging Face layout (E, D, 2F)."""
 
@@ -160,25 +71,16 @@ class MoE(nnx.Module):
             self.down_proj[...].astype(cdt), self.down_proj_bias[...].astype(cdt),
         )
 
-    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, MoEAux]:
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False) -> tuple[jax.Array, MoEAux]:
+        """`train=True` lets a dropping dispatch (capacity, expert_parallel) run; otherwise
+        the layer is exact whatever `moe_dispatch` says."""
         cfg = self.cfg
         b, t, d = x_BTD.shape
         chex.assert_shape(x_BTD, (b, t, cfg.hidden_size))
         x_TD = x_BTD.reshape(b * t, d).astype(cfg.compute_dtype)
         routing = route(x_TD, self.router[...], self.router_bias[...], cfg.experts_per_token)
-        w = self.expert_weights()
-        drop = jnp.zeros((), jnp.float32)
-        if cfg.moe_dispatch == "dense":
-            y_TD = moe_dense(x_TD, routing, w, cfg.swiglu_limit)
-        elif cfg.moe_dispatch == "ragged":
-            y_TD = moe_ragged(x_TD, routing, w, cfg.swiglu_limit)
-        elif cfg.moe_dispatch == "expert_parallel":  # shard_map over the mesh in context
-            from llm_jax.model.moe_parallel import moe_expert_parallel
-
-            y_TD, drop = moe_expert_parallel(x_TD, routing, w, cfg.swiglu_limit,
-                                             cfg.moe_capacity_factor)
-        else:
-            y_TD, drop = moe_capacity(x_TD, routing, w, cfg.swiglu_limit, capacity(b * t, cfg))
+        dispatch = select_dispatch(cfg, b * t, train=train)
+        y_TD, drop = dispatch(x_TD, routing, self.expert_weights(), cfg)
         lb, z, load = router_aux(routing, cfg.num_experts)
         y = y_TD.reshape(b, t, d).astype(cfg.compute_dtype)
         return y, MoEAux(lb, z, load, drop)

@@ -32,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from llm_jax.model.moe import ExpertWeights, Routing, swiglu
+from llm_jax.model.moe_dispatch import ExpertWeights, Routing, swiglu
 from llm_jax.sharding import RULES, logical_to_spec, spec_axes
 
 P = jax.sharding.PartitionSpec

@@ -6,8 +6,11 @@ The L blocks are created stacked (every weight gets a leading `layers` axis) and
 `jax.lax.scan`, so compile time does not grow with depth. Even and odd layers differ only in
 their sliding window, which is scanned as data next to the weights. `scan_layers=False` unrolls
 the same scan: the weights stay stacked (one checkpoint layout), but XLA then sees L separate
-layers and needs no loop-carried buffers for the saved activations and stacked gradients: on
-CPU a 4-layer step's op time fell 22 % (glibc malloc), its wall time 2-5 % (docs/benchmarks.md).
+layers and needs no loop-carried buffers for the saved activations and stacked gradients.
+
+With a KV cache (prefill and decode) the layers run as a Python loop, because a sliding layer's
+cache is smaller than a full layer's; each layer's cache is its own array (model/kv_cache.py).
+Training, evaluation, prefill and decode all run these same `Block`s.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from flax import nnx
 
 from llm_jax.config import ModelConfig
 from llm_jax.model.attention import Attention
+from llm_jax.model.kv_cache import KVCache, LayerCache
 from llm_jax.model.moe import MoE, MoEAux
 from llm_jax.model.norm import make_norm
 from llm_jax.model.params import normal, param
@@ -44,10 +48,14 @@ class Block(nnx.Module):
         positions_BT: jax.Array,
         window: jax.Array | int,
         segment_ids_BT: jax.Array | None = None,
-    ) -> tuple[jax.Array, MoEAux]:
-        x = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, window, segment_ids_BT)
-        y, aux = self.mlp(self.mlp_norm(x))
-        return x + y, aux
+        cache: LayerCache | None = None,
+        *,
+        train: bool = False,
+    ) -> tuple[jax.Array, MoEAux, LayerCache | None]:
+        a, cache = self.attn(self.attn_norm(x_BTD), positions_BT, window, segment_ids_BT, cache)
+        x = x_BTD + a
+        y, aux = self.mlp(self.mlp_norm(x), train=train)
+        return x + y, aux, cache
 
 
 class Transformer(nnx.Module):
@@ -74,27 +82,47 @@ class Transformer(nnx.Module):
         tokens_BT: jax.Array,
         positions_BT: jax.Array | None = None,
         segment_ids_BT: jax.Array | None = None,
-    ) -> tuple[jax.Array, MoEAux]:
-        """Final-normed hidden states [B, T, D] and per-layer MoE aux (leading axis L)."""
+        cache: KVCache | None = None,
+        *,
+        train: bool = False,
+    ) -> tuple[jax.Array, MoEAux, KVCache | None]:
+        """Final-normed hidden states [B, T, D], per-layer MoE aux (leading axis L) and the
+        updated cache (None without one). `train=True` allows a dropping MoE dispatch."""
         cfg = self.cfg
         chex.assert_rank(tokens_BT, 2)
         b, t = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = constrain(self.embedding[...].astype(cfg.compute_dtype)[tokens_BT], RESIDUAL)
-        windows_L = jnp.asarray(cfg.layer_windows, jnp.int32)
         graphdef, layer_state = nnx.split(self.layers)
+        if cache is None:
+            windows_L = jnp.asarray(cfg.layer_windows, jnp.int32)
 
-        def body(x_BTD: jax.Array, xs: tuple[Any, jax.Array]) -> tuple[jax.Array, MoEAux]:
-            state, window = xs
-            y_BTD, aux = nnx.merge(graphdef, state)(x_BTD, positions_BT, window, segment_ids_BT)
-            return constrain(y_BTD, RESIDUAL), aux
+            def body(x_BTD: jax.Array, xs: tuple[Any, jax.Array]) -> tuple[jax.Array, MoEAux]:
+                state, window = xs
+                y_BTD, aux, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, window,
+                                                            segment_ids_BT, train=train)
+                return constrain(y_BTD, RESIDUAL), aux
 
-        if cfg.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        x, aux = jax.lax.scan(body, x, (layer_state, windows_L), unroll=cfg.scan_unroll)
+            if cfg.remat:
+                body = jax.checkpoint(body, prevent_cse=False)
+            x, aux = jax.lax.scan(body, x, (layer_state, windows_L), unroll=cfg.scan_unroll)
+        else:
+            if len(cache) != cfg.num_hidden_layers:
+                raise ValueError(f"cache has {len(cache)} layers: expected num_hidden_layers="
+                                 f"{cfg.num_hidden_layers} (build it with init_cache)")
+            auxes, new_cache = [], []
+            for i, layer_cache in enumerate(cache):
+                block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state))
+                x, aux, layer_cache = block(x, positions_BT, cfg.layer_window(i), segment_ids_BT,
+                                            layer_cache, train=train)
+                x = constrain(x, RESIDUAL)
+                auxes.append(aux)
+                new_cache.append(layer_cache)
+            aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+            cache = tuple(new_cache)
         chex.assert_shape(x, (b, t, cfg.hidden_size))
-        return self.norm(x), aux
+        return self.norm(x), aux, cache
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         cdt = self.cfg.compute_dtype
@@ -107,9 +135,10 @@ class Transformer(nnx.Module):
         positions_BT: jax.Array | None = None,
         segment_ids_BT: jax.Array | None = None,
         *,
+        train: bool = False,
         return_aux: bool = False,
     ) -> jax.Array | tuple[jax.Array, MoEAux]:
-        h, aux = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT)
+        h, aux, _ = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, train=train)
         logits = self.logits(h)
         return (logits, aux) if return_aux else logits
 

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm_jax.config import ModelConfig
-from llm_jax.model.moe import (MoE, ExpertWeights, capacity, moe_capacity, moe_dense,
-                               Routing, moe_ragged, route, router_aux, swiglu)
+from llm_jax.config import MOE_DISPATCHES, ModelConfig
+from llm_jax.model.moe import MoE, route, router_aux
+from llm_jax.model.moe_dispatch import (DISPATCHES, ExpertWeights, Routing, auto_dispatch,
+                                        capacity, moe_capacity, moe_dense, select_dispatch,
+                                        swiglu)
 
 CFG = ModelConfig(hidden_size=32, intermediate_size=24, num_experts=8, experts_per_token=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -66,31 +68,30 @@ def jax_loop_moe(x, p, k, limit):
     return out
 
 
-DISPATCH = {
-    "dense": lambda x, r, w, lim: moe_dense(x, r, w, lim),
-    "ragged": lambda x, r, w, lim: moe_ragged(x, r, w, lim),
-    "capacity": lambda x, r, w, lim: moe_capacity(x, r, w, lim, x.shape[0])[0],  # C = T: no drops
-}
+# Every entry of the table. Capacity factor E / k: C = T slots, so nothing can be dropped and the
+# dropping dispatches must equal the reference too.
+NO_DROP = dataclasses.replace(CFG, moe_capacity_factor=CFG.num_experts / CFG.experts_per_token)
+ALL = sorted(DISPATCHES)
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "ragged", "capacity"])
-def test_moe_dispatch_matches_loop_reference(dispatch):
-    cfg = dataclasses.replace(CFG, moe_dispatch=dispatch, moe_capacity_factor=CFG.num_experts / 2)
+@pytest.mark.parametrize("dispatch", ALL + ["auto"])
+def test_moe_layer_with_each_dispatch_matches_numpy_loop_reference(dispatch):
+    cfg = dataclasses.replace(NO_DROP, moe_dispatch=dispatch)
     w = _weights(cfg, scale=4.0)
     x = np.random.default_rng(1).normal(size=(3, 10, cfg.hidden_size))
     # Some SwiGLU inputs are past the clamp, so the clamp is exercised.
     h = np.einsum("td,edf->tef", x.reshape(30, -1), w["w1"]) + w["b1"][None]
     assert (h[..., 0::2] > 7).any() and (h[..., 1::2] < -7).any()
     moe = _moe_module(cfg, w)
-    y, aux = moe(jnp.asarray(x, jnp.float32))
+    y, aux = moe(jnp.asarray(x, jnp.float32), train=True)
     ref = numpy_moe(x.reshape(30, -1), w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"],
                     w["b2"], cfg.experts_per_token, cfg.swiglu_limit).reshape(x.shape)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
     assert float(aux.drop_fraction) == 0.0
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "ragged", "capacity"])
-def test_moe_dispatch_gradients_match_loop_reference(dispatch):
+@pytest.mark.parametrize("dispatch", ALL)
+def test_each_dispatch_outputs_and_gradients_match_the_loop_reference_directly(dispatch):
     w = {k: jnp.asarray(v, jnp.float32) for k, v in _weights(CFG, seed=2, scale=3.0).items()}
     x = jax.random.normal(jax.random.key(3), (24, CFG.hidden_size))
     ct = jax.random.normal(jax.random.key(4), (24, CFG.hidden_size))
@@ -102,10 +103,13 @@ def test_moe_dispatch_gradients_match_loop_reference(dispatch):
     def loss(x, p):
         r = route(x, p["router"], p["router_bias"], k)
         ew = ExpertWeights(p["w1"], p["b1"], p["w2"], p["b2"])
-        return jnp.sum(DISPATCH[dispatch](x, r, ew, lim) * ct)
+        y, drop = DISPATCHES[dispatch].fn(x, r, ew, NO_DROP)
+        return jnp.sum(y * ct), drop
 
-    g_ref = jax.grad(loss_ref, argnums=(0, 1))(x, w)
-    g = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    (l_ref, g_ref) = jax.value_and_grad(loss_ref, argnums=(0, 1))(x, w)
+    (l, drop), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    assert float(drop) == 0.0
+    np.testing.assert_allclose(l, l_ref, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -121,6 +125,33 @@ def test_capacity_path_drops_overflow_and_reports_the_rate():
     full = moe_dense(x, r, ew, 7.0)
     np.testing.assert_allclose(y[:4], full[:4], rtol=1e-5, atol=1e-5)  # first 4 tokens fit
     np.testing.assert_array_equal(y[4:], 0.0)  # the rest were dropped by both experts
+
+
+def test_dropping_dispatches_run_only_in_training_and_the_rest_is_exact():
+    w = _weights(CFG, seed=7)
+    # All tokens identical and a small capacity: training drops, evaluation must not.
+    x = np.broadcast_to(np.random.default_rng(8).normal(size=CFG.hidden_size), (1, 16, CFG.hidden_size))
+    ref = numpy_moe(x[0], w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"], w["b2"],
+                    CFG.experts_per_token, CFG.swiglu_limit)
+    for dispatch in ("capacity", "expert_parallel"):
+        cfg = dataclasses.replace(CFG, moe_dispatch=dispatch, moe_capacity_factor=0.5)
+        moe = _moe_module(cfg, w)
+        y_train, aux_train = moe(jnp.asarray(x, jnp.float32), train=True)
+        assert float(aux_train.drop_fraction) >= 0.5  # capacity 0.875, expert_parallel 0.5
+        y, aux = moe(jnp.asarray(x, jnp.float32))
+        assert float(aux.drop_fraction) == 0.0
+        np.testing.assert_allclose(y[0], ref, rtol=1e-4, atol=1e-4)
+    assert select_dispatch(CFG.replace(moe_dispatch="capacity"), 64, train=False) \
+        is not DISPATCHES["capacity"].fn
+    assert select_dispatch(CFG.replace(moe_dispatch="dense"), 64, train=False) \
+        is DISPATCHES["dense"].fn
+
+
+def test_auto_dispatch_gathers_for_few_tokens_and_is_dropless_for_many():
+    assert auto_dispatch(CFG, 4) == "gather"  # T k = 8 <= E = 8: read only the chosen experts
+    assert auto_dispatch(CFG, 5) == ("blocked" if jax.default_backend() == "cpu" else "ragged")
+    assert not any(DISPATCHES[auto_dispatch(CFG, t)].drops for t in (1, 5, 1000))
+    assert sorted([*DISPATCHES, "auto"]) == sorted(MOE_DISPATCHES)  # the config's names
 
 
 def test_capacity_slots_formula():

@@ -33,7 +33,9 @@ from llm_jax.checkpoint_io import (  # noqa: E402
 
 TOL = 1e-4
 LIMIT = 7.0
-DISPATCHES = ("dense", "ragged", "capacity")
+# "auto" is what a user gets with no arguments. "capacity" keeps its default factor 1.25, which
+# drops assignments in training: outside training the loaded model must still be exact.
+DISPATCHES = ("auto", "dense", "ragged", "blocked", "capacity")
 
 _COMMON = dict(
     num_local_experts=8, num_experts_per_tok=2, vocab_size=256, hidden_size=64,
@@ -55,6 +57,13 @@ VARIANTS = {
                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096},
         max_position_embeddings=4096 * 32, seq_len=96,
+    ),
+    # (c) top-3 of 8 experts (as gpt-oss's top-4): fixed slots would drop here.
+    "top3": dict(
+        _COMMON, num_experts_per_tok=3, num_hidden_layers=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=4096, seq_len=48,
     ),
 }
 
@@ -151,17 +160,8 @@ def _check(label: str, ours: np.ndarray, want: np.ndarray) -> float:
     return diff
 
 
-def _no_drop_capacity(ref: Reference) -> float:
-    # capacity() caps slots at T, so E / k slots-per-assignment means every expert can take
-    # every token: nothing is dropped and the capacity path must match exactly.
-    return ref.hf_kwargs["num_local_experts"] / ref.hf_kwargs["num_experts_per_tok"]
-
-
 def _dispatch_kw(ref: Reference, dispatch: str) -> dict:
-    kw = {"moe_dispatch": dispatch}
-    if dispatch == "capacity":
-        kw["moe_capacity_factor"] = _no_drop_capacity(ref)
-    return kw
+    return {} if dispatch == "auto" else {"moe_dispatch": dispatch}
 
 
 # ---------------------------------------------------------------------- the tests
@@ -233,7 +233,7 @@ def _write_openai(root, tensors: dict[str, np.ndarray], config: dict) -> None:
     (orig / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "capacity"])
+@pytest.mark.parametrize("dispatch", ["auto", "dense", "capacity"])
 def test_openai_checkpoint_logits_match_transformers(ref, dispatch, tmp_path):
     tensors = _openai_tensors(ref.state, ref.hf_kwargs["num_hidden_layers"])
     _write_openai(tmp_path, tensors, _openai_config(ref))
@@ -340,7 +340,7 @@ def test_mxfp4_hf_checkpoint_matches_transformers_on_dequantized_weights(ref, qu
 def test_hf_export_loads_in_transformers_and_back_with_the_same_logits(ref, tmp_path):
     model = load_pretrained(ref.hf_dir, moe_dispatch="dense")
     assert hf_config_to_model_config(model_config_to_hf_config(model.cfg)) \
-        == model.cfg.replace(moe_dispatch="capacity")  # the dispatch is no checkpoint property
+        == model.cfg.replace(moe_dispatch="auto")  # the dispatch is no checkpoint property
     out = save_hf(model, tmp_path / "export")
     hf = transformers.GptOssForCausalLM.from_pretrained(
         out, attn_implementation="eager", dtype=torch.float32).eval()

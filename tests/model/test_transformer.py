@@ -29,7 +29,7 @@ def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
         pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
         for i in range(SMALL.num_hidden_layers):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-            x, _ = layer(x, pos, SMALL.layer_window(i))
+            x, _, _ = layer(x, pos, SMALL.layer_window(i))
         return model.norm(x) @ unembedding.T
 
     ref = unrolled(state, model.embedding[...], model.unembedding[...])

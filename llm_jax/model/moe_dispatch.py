@@ -1,0 +1,233 @@
+"""How tokens reach their experts: every MoE dispatch, behind one table.
+
+Shapes: T tokens (batch and time flattened), D hidden, E experts, k experts per token,
+F intermediate, C capacity slots per expert, A = T k token-expert assignments, G row blocks.
+
+All dispatches compute the same function, `y_t = sum_{e in top_k(t)} w_te * expert_e(x_t)`, and
+differ in how they lay out the work:
+
+| name            | drops | what it runs                                                        |
+|-----------------|-------|---------------------------------------------------------------------|
+| dense           | no    | every expert on every token, masked combine: the reference          |
+| ragged          | no    | assignments sorted by expert, `lax.ragged_dot` grouped matmuls      |
+| gather          | no    | each token multiplies by its own k experts' gathered weights        |
+| blocked         | no    | sorted assignments padded to row blocks, one small matmul per block |
+| capacity        | yes   | C = ceil(factor A / E) slots per expert, batched einsum over slots  |
+| expert_parallel | yes   | `shard_map` + all_to_all over the `expert` mesh axis (moe_parallel) |
+
+`auto` (the default) picks a dropless one by shape and backend: `gather` when T k <= E (decoding
+a small batch reads only the chosen experts), else `ragged` on TPU/GPU and `blocked` on CPU,
+where XLA lowers `ragged_dot` as dense work. The dropping dispatches are a training-speed opt-in:
+they apply only when the model is called with `train=True`, so evaluation, prefill and decode
+always compute the exact function (expert_parallel runs with enough slots to drop nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from llm_jax.config import SWIGLU_ALPHA, ModelConfig
+from llm_jax.sharding import constrain
+
+
+class Routing(NamedTuple):
+    """Router outputs for T tokens."""
+
+    logits_TE: jax.Array  # float32 router logits
+    experts_Tk: jax.Array  # int32 chosen expert ids, best first
+    weights_Tk: jax.Array  # float32 softmax over the chosen logits
+
+
+class ExpertWeights(NamedTuple):
+    gate_up_EDF2: jax.Array
+    gate_up_bias_EF2: jax.Array
+    down_EFD: jax.Array
+    down_bias_ED: jax.Array
+
+
+def swiglu(h: jax.Array, limit: float) -> jax.Array:
+    """gpt-oss clamped SwiGLU on interleaved [..., 2F] pre-activations -> [..., F]."""
+    glu, lin = h[..., 0::2], h[..., 1::2]
+    glu = jnp.minimum(glu, limit)
+    lin = jnp.clip(lin, -limit, limit)
+    return glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)
+
+
+def _combine(y_TkD: jax.Array, routing: Routing) -> jax.Array:
+    return jnp.einsum("TkD,Tk->TD", y_TkD, routing.weights_Tk.astype(y_TkD.dtype))
+
+
+def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
+    t = x_TD.shape[0]
+    e = w.gate_up_EDF2.shape[0]
+    h = jnp.einsum("TD,EDF->TEF", x_TD, w.gate_up_EDF2) + w.gate_up_bias_EF2
+    y_TED = jnp.einsum("TEF,EFD->TED", swiglu(h, limit), w.down_EFD) + w.down_bias_ED
+    combine_TE = jnp.zeros((t, e), jnp.float32).at[
+        jnp.arange(t)[:, None], routing.experts_Tk].add(routing.weights_Tk)
+    return jnp.einsum("TED,TE->TD", y_TED, combine_TE.astype(y_TED.dtype))
+
+
+def moe_ragged(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
+    t, d = x_TD.shape
+    k = routing.experts_Tk.shape[1]
+    e = w.gate_up_EDF2.shape[0]
+    experts_A = routing.experts_Tk.reshape(-1)
+    order_A = jnp.argsort(experts_A, stable=True)
+    sorted_experts_A = experts_A[order_A]
+    x_AD = x_TD[order_A // k]
+    group_sizes_E = jnp.bincount(experts_A, length=e).astype(jnp.int32)
+    h = jax.lax.ragged_dot(x_AD, w.gate_up_EDF2, group_sizes_E) + w.gate_up_bias_EF2[sorted_experts_A]
+    y_AD = jax.lax.ragged_dot(swiglu(h, limit), w.down_EFD, group_sizes_E) \
+        + w.down_bias_ED[sorted_experts_A]
+    y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to (token, choice) order
+    return _combine(y_AD.reshape(t, k, d), routing)
+
+
+def moe_gather(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
+    """T k expert reads: the cheapest exact path when T k <= E (decoding a small batch)."""
+    e_Tk = routing.experts_Tk
+    h = jnp.einsum("TD,TkDF->TkF", x_TD, w.gate_up_EDF2[e_Tk]) + w.gate_up_bias_EF2[e_Tk]
+    y = jnp.einsum("TkF,TkFD->TkD", swiglu(h, limit), w.down_EFD[e_Tk]) + w.down_bias_ED[e_Tk]
+    return _combine(y, routing)
+
+
+def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
+    """Dropless block-sparse dispatch (after MegaBlocks, Gale et al. 2022): assignments sorted by
+    expert, each expert's run padded to a multiple of `block` rows, then one small matmul per
+    block with its expert's weights. G = ceil(A / block) + E statically bounds the blocks used,
+    sum_e ceil(c_e / block)."""
+    t, d = x_TD.shape
+    k = routing.experts_Tk.shape[1]
+    e = w.gate_up_EDF2.shape[0]
+    a = t * k
+    block = int(min(256, max(8, 1 << max(0, (a // (2 * e)).bit_length() - 1))))  # pad <= ~A/2
+    n_blocks = -(-a // block) + e
+    experts_A = routing.experts_Tk.reshape(-1)
+    order_A = jnp.argsort(experts_A, stable=True)
+    sorted_experts = experts_A[order_A]
+    counts_E = jnp.bincount(experts_A, length=e).astype(jnp.int32)
+    blocks_E = (counts_E + block - 1) // block
+    block_end_E = jnp.cumsum(blocks_E)
+    first_sorted_E = jnp.cumsum(counts_E) - counts_E
+    rank = jnp.arange(a, dtype=jnp.int32) - first_sorted_E[sorted_experts]
+    slot_sorted = (block_end_E - blocks_E)[sorted_experts] * block + rank
+    slot_A = jnp.zeros((a,), jnp.int32).at[order_A].set(slot_sorted)  # (token, choice) order
+    # Unused slots read row t, a zero row; unused blocks run expert E-1 on zeros, never read.
+    token_of_slot = jnp.full((n_blocks * block,), t, jnp.int32).at[slot_A].set(
+        jnp.arange(a, dtype=jnp.int32) // k)
+    x_pad = jnp.concatenate([x_TD, jnp.zeros((1, d), x_TD.dtype)])
+    x_GbD = x_pad[token_of_slot].reshape(n_blocks, block, d)
+    expert_G = jnp.minimum(jnp.searchsorted(block_end_E, jnp.arange(n_blocks), side="right"),
+                           e - 1)
+
+    def one_block(args):
+        x_bD, ex = args
+        h = x_bD @ w.gate_up_EDF2[ex] + w.gate_up_bias_EF2[ex]
+        return swiglu(h, limit) @ w.down_EFD[ex] + w.down_bias_ED[ex]
+
+    y_AD = jax.lax.map(one_block, (x_GbD, expert_G)).reshape(-1, d)[slot_A]
+    return _combine(y_AD.reshape(t, k, d), routing)
+
+
+def capacity(num_tokens: int, cfg: ModelConfig) -> int:
+    """Slots per expert: ceil(factor * T * k / E), at most T (an expert sees a token once)."""
+    slots = math.ceil(cfg.moe_capacity_factor * num_tokens * cfg.experts_per_token / cfg.num_experts)
+    return max(1, min(num_tokens, slots))
+
+
+def moe_capacity(
+    x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, num_slots: int
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (output [T, D], fraction of assignments dropped). Slots fill in token order, all
+    first choices before any second choice; assignments past an expert's C slots are dropped."""
+    t, d = x_TD.shape
+    k = routing.experts_Tk.shape[1]
+    e = w.gate_up_EDF2.shape[0]
+    experts_A = routing.experts_Tk.T.reshape(-1)  # [k*T], choice-major
+    onehot_AE = jax.nn.one_hot(experts_A, e, dtype=jnp.int32)
+    slot_A = jnp.sum((jnp.cumsum(onehot_AE, axis=0) - 1) * onehot_AE, axis=-1)
+    kept_A = slot_A < num_slots
+    token_A = jnp.tile(jnp.arange(t, dtype=jnp.int32), k)
+    # Scatter token ids into [E, C] slots; empty slots point at token 0 and are never combined.
+    flat_slot_A = jnp.where(kept_A, experts_A * num_slots + slot_A, e * num_slots)
+    slot_token = jnp.zeros((e * num_slots + 1,), jnp.int32).at[flat_slot_A].set(token_A)
+    x_ECD = constrain(x_TD[slot_token[:-1]].reshape(e, num_slots, d), ("experts", None, None))
+    h = jnp.einsum("ECD,EDF->ECF", x_ECD, w.gate_up_EDF2) + w.gate_up_bias_EF2[:, None]
+    y_ECD = jnp.einsum("ECF,EFD->ECD", swiglu(h, limit), w.down_EFD) + w.down_bias_ED[:, None]
+    y_AD = y_ECD.reshape(e * num_slots, d)[jnp.minimum(flat_slot_A, e * num_slots - 1)]
+    weights_A = routing.weights_Tk.T.reshape(-1) * kept_A
+    y_kTD = (y_AD * weights_A[:, None].astype(y_AD.dtype)).reshape(k, t, d)
+    drop_fraction = jnp.mean((~kept_A).astype(jnp.float32))
+    return jnp.sum(y_kTD, axis=0), drop_fraction
+
+
+# ---------------------------------------------------------------------------------------------
+# The table.
+
+DispatchFn = Callable[[jax.Array, Routing, ExpertWeights, ModelConfig],
+                      tuple[jax.Array, jax.Array]]
+
+
+class Dispatch(NamedTuple):
+    fn: DispatchFn  # (x_TD, routing, weights, cfg) -> (y_TD, drop fraction)
+    drops: bool  # may drop assignments: used only when training asks for it
+
+
+def _no_drops(f: Callable[..., jax.Array]) -> DispatchFn:
+    return lambda x, r, w, cfg: (f(x, r, w, cfg.swiglu_limit), jnp.zeros((), jnp.float32))
+
+
+def _capacity(x, r, w, cfg):
+    return moe_capacity(x, r, w, cfg.swiglu_limit, capacity(x.shape[0], cfg))
+
+
+def _expert_parallel(x, r, w, cfg):
+    from llm_jax.model.moe_parallel import moe_expert_parallel  # imports sharding rules
+
+    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, cfg.moe_capacity_factor)
+
+
+def _expert_parallel_exact(x, r, w, cfg):
+    # A factor of E >= the expert-axis size gives every device pair all A slots: no drops.
+    from llm_jax.model.moe_parallel import moe_expert_parallel
+
+    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, float(cfg.num_experts))
+
+
+DISPATCHES: dict[str, Dispatch] = {
+    "dense": Dispatch(_no_drops(moe_dense), drops=False),
+    "ragged": Dispatch(_no_drops(moe_ragged), drops=False),
+    "gather": Dispatch(_no_drops(moe_gather), drops=False),
+    "blocked": Dispatch(_no_drops(moe_blocked), drops=False),
+    "capacity": Dispatch(_capacity, drops=True),
+    "expert_parallel": Dispatch(_expert_parallel, drops=True),
+}
+# What a dropping dispatch becomes outside training.
+EXACT_FALLBACK: dict[str, DispatchFn] = {"expert_parallel": _expert_parallel_exact}
+# The dropless choice of `auto` for many tokens, by backend.
+AUTO_BY_BACKEND = {"cpu": "blocked", "gpu": "ragged", "tpu": "ragged"}
+
+
+def select_dispatch(cfg: ModelConfig, num_tokens: int, *, train: bool) -> DispatchFn:
+    """The dispatch a call runs: the configured one, unless it drops and this is not training
+    (then the exact one of the same kind, or `auto`'s choice); `auto` by shape and backend."""
+    name = cfg.moe_dispatch
+    if name != "auto":
+        dispatch = DISPATCHES[name]
+        if train or not dispatch.drops:
+            return dispatch.fn
+        if name in EXACT_FALLBACK:
+            return EXACT_FALLBACK[name]
+    return DISPATCHES[auto_dispatch(cfg, num_tokens)].fn
+
+
+def auto_dispatch(cfg: ModelConfig, num_tokens: int) -> str:
+    """`auto`'s dropless dispatch for `num_tokens` tokens on the default backend."""
+    if num_tokens * cfg.experts_per_token <= cfg.num_experts:
+        return "gather"
+    return AUTO_BY_BACKEND.get(jax.default_backend(), "ragged")
