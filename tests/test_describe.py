@@ -76,8 +76,8 @@ def test_totals_and_active_match_openai_model_card_within_1_percent(name, total,
 def xla_forward_flops_per_token(cfg, batch, seq_len):
     graphdef, state = nnx.split(abstract_model(cfg))
 
-    def forward(state, tokens):
-        return nnx.merge(graphdef, state)(tokens)
+    def forward(state, tokens):  # a training step's forward: the dispatch as configured
+        return nnx.merge(graphdef, state)(tokens, train=True)
 
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     cost = jax.jit(forward).lower(state, tokens).compile().cost_analysis()

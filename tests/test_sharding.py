@@ -211,7 +211,8 @@ def case_meshes() -> dict:
 
 
 def case_expert_parallel() -> dict:
-    from llm_jax.model.moe import ExpertWeights, moe_dense, route
+    from llm_jax.model.moe import route
+    from llm_jax.model.moe_dispatch import ExpertWeights, moe_dense
     from llm_jax.model.moe_parallel import moe_expert_parallel
 
     d, e, f, k = 32, 8, 24, 2

@@ -24,7 +24,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.model.moe import MoE
 
 EXPERTS = (8, 16, 32, 64)
-PATHS = ("dense", "ragged", "capacity")
+PATHS = ("dense", "ragged", "blocked", "capacity")
 
 
 def fwd_bwd(cfg: ModelConfig, tokens: int, seed: int = 0):
@@ -36,7 +36,7 @@ def fwd_bwd(cfg: ModelConfig, tokens: int, seed: int = 0):
     ct = jnp.asarray(rng.normal(size=(1, tokens, cfg.hidden_size)), cfg.compute_dtype)
 
     def loss(params, x):
-        y, aux = nnx.merge(graphdef, params)(x)
+        y, aux = nnx.merge(graphdef, params)(x, train=True)  # the dispatch as configured
         return jnp.sum(y * ct) + aux.load_balancing_loss
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
