@@ -3,7 +3,7 @@
 import ml_collections
 
 from llm_jax.config import ModelConfig
-from llm_jax.run_config import default_run_config
+from llm_jax.training.run_config import default_run_config
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -15,7 +15,7 @@ _EXPORTS = {
     "ModelConfig": "llm_jax.config",
     "Transformer": "llm_jax.model.transformer",
     "init_model": "llm_jax.model.transformer",
-    "load_pretrained": "llm_jax.checkpoint_io",
+    "load_pretrained": "llm_jax.weights.formats",
     "sample": "llm_jax.inference.sampler",
 }
 __all__ = sorted(_EXPORTS)

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from llm_jax import checkpoint_io
+from llm_jax.weights import formats as checkpoint_io
 
 WRITERS = {
     "hf": checkpoint_io.save_hf,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.text import TextStream, find_tokenizer, text_decoder
-from llm_jax.malloc import use_preferred_malloc
+from llm_jax.runtime.malloc import use_preferred_malloc
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not args.checkpoint:
             raise ValueError("--checkpoint is required")
-        from llm_jax.checkpoint_io import load_pretrained
+        from llm_jax.weights.formats import load_pretrained
 
         model = load_pretrained(args.checkpoint, dtype=args.dtype)
         tok = find_tokenizer(args.checkpoint)

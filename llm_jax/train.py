@@ -27,16 +27,18 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from llm_jax import describe, distributed, faults
-from llm_jax.checkpointing import Checkpointer, check_same_model
+from llm_jax.model import costs as describe
+from llm_jax.parallel import distributed
+from llm_jax.training import faults
+from llm_jax.training.checkpointing import Checkpointer, check_same_model
 from llm_jax.config import ModelConfig
-from llm_jax.malloc import active_malloc, use_preferred_malloc
-from llm_jax.metrics import MetricsWriter, read_metrics
-from llm_jax.peak import measure_peak_flops
-from llm_jax.preemption import Interrupted, StopRequest
-from llm_jax.run_config import model_config, validate_run_config
-from llm_jax.sharding import mesh_from_config
-from llm_jax.train_step import Steps, compile_steps
+from llm_jax.runtime.malloc import active_malloc, use_preferred_malloc
+from llm_jax.training.metrics import MetricsWriter, read_metrics
+from llm_jax.runtime.peak import measure_peak_flops
+from llm_jax.training.preemption import Interrupted, StopRequest
+from llm_jax.training.run_config import model_config, validate_run_config
+from llm_jax.parallel.sharding import mesh_from_config
+from llm_jax.training.step import Steps, compile_steps
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file, e.g. configs/tiny.py.",
                                           lock_config=True)
@@ -245,7 +247,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
         ckpt.close()
 
     if is_main and os.path.exists(writer.path):
-        from llm_jax.plots import plot_expert_load, plot_losses
+        from llm_jax.training.plots import plot_expert_load, plot_losses
 
         records = read_metrics(writer.path)
         plot_losses(records, os.path.join(workdir, "loss.png"))

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from llm_jax import ModelConfig, Transformer, load_pretrained
-from llm_jax import checkpoint_io as cio
+from llm_jax.weights import formats as cio
 from llm_jax.convert import main as convert_main
 
 CFG = ModelConfig(

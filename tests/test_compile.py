@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from llm_jax import compile as aot
+from llm_jax.parallel import aot
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config.model.num_hidden_layers=2", "--config.model.num_experts=8",

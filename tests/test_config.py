@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from llm_jax.config import ModelConfig, yarn_correction_range
-from llm_jax.run_config import model_config
+from llm_jax.training.run_config import model_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm_jax import describe as d
+from llm_jax.model import costs as d
 from llm_jax.config import ModelConfig
 from llm_jax.model import abstract_model
-from llm_jax.run_config import model_config
+from llm_jax.training.run_config import model_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -72,7 +72,7 @@ def test_multi_process_checkpoint_restores_on_another_mesh(runs, target):
 
 
 def _setup(mesh_spec):
-    from llm_jax import sharding as sh
+    from llm_jax.parallel import sharding as sh
     from test_sharding import tiny_model, tiny_train
 
     mesh = sh.make_mesh(mesh_spec["mesh"], dcn_sizes=mesh_spec["dcn"] or None)
@@ -80,13 +80,13 @@ def _setup(mesh_spec):
 
 
 def worker_train(workdir: str, mesh_json: str) -> None:
-    from llm_jax import distributed
+    from llm_jax.parallel import distributed
 
     info = distributed.initialize()  # from the launcher's environment
     import jax
 
-    from llm_jax.checkpointing import Checkpointer
-    from llm_jax.train_step import compile_steps
+    from llm_jax.training.checkpointing import Checkpointer
+    from llm_jax.training.step import compile_steps
     from test_sharding import batches
 
     cfg, tc, mesh = _setup(json.loads(mesh_json))
@@ -117,9 +117,9 @@ def worker_train(workdir: str, mesh_json: str) -> None:
 def worker_restore(workdir: str, target: str, ref_npz: str) -> None:
     import jax
 
-    from llm_jax import sharding as sh
-    from llm_jax.checkpointing import Checkpointer
-    from llm_jax.train_step import compile_steps
+    from llm_jax.parallel import sharding as sh
+    from llm_jax.training.checkpointing import Checkpointer
+    from llm_jax.training.step import compile_steps
 
     spec = {"mesh": {}, "dcn": {}} if target == "one_device" else SINGLE
     cfg, tc, _ = _setup(spec)

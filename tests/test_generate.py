@@ -21,16 +21,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from llm_jax import checkpoint_io as cio  # noqa: E402
+from llm_jax.weights import formats as cio  # noqa: E402
 from llm_jax.config import ModelConfig  # noqa: E402
-from llm_jax.describe import kv_cache_bytes, kv_cache_lengths  # noqa: E402
+from llm_jax.model.costs import kv_cache_bytes, kv_cache_lengths  # noqa: E402
 from llm_jax.generate import main  # noqa: E402
 from llm_jax.inference.loop import bucket, generate_jit  # noqa: E402
 from llm_jax.inference.sampler import sample as generate  # noqa: E402
 from llm_jax.inference.sampling import greedy_tokens  # noqa: E402
 from llm_jax.model import init_model  # noqa: E402
 from llm_jax.model.kv_cache import CACHE_AXES, cache_nbytes, cache_shardings, init_cache  # noqa: E402
-from llm_jax.sharding import logical_to_spec, make_mesh  # noqa: E402
+from llm_jax.parallel.sharding import logical_to_spec, make_mesh  # noqa: E402
 
 TOL = 1e-4
 V = 512  # room for the CLI test's tokenizer

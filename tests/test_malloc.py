@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from llm_jax import malloc
+from llm_jax.runtime import malloc
 
 
 def test_auto_preloads_tcmalloc_first_and_keeps_existing_preloads(monkeypatch):

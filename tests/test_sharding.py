@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llm_jax import sharding as sh
+from llm_jax.parallel import sharding as sh
 
 # (data, fsdp, tensor, expert); the ISSUE's list.
 # Eight CPU devices; XLA's cheapest CPU codegen, since these programs are compiled once and run
@@ -40,7 +40,7 @@ def tiny_model(**changes):
 
 
 def tiny_train(**changes):
-    from llm_jax.run_config import default_run_config
+    from llm_jax.training.run_config import default_run_config
 
     tc = default_run_config("t", tiny_model()).train
     tc.update({**dict(batch_size=16, num_steps=10, warmup_steps=1, learning_rate=1e-2), **changes})
@@ -58,7 +58,7 @@ def batches(n, batch=16, seq=16, vocab=128, seed=0):
 
 def run_steps(cfg, mesh, num_steps=3, seed=0):
     """(losses, final params as numpy, state) of `num_steps` train steps on `mesh`."""
-    from llm_jax.train_step import compile_steps
+    from llm_jax.training.step import compile_steps
 
     steps = compile_steps(cfg, tiny_train(), mesh, seed)
     state = steps.init()
@@ -99,7 +99,7 @@ def test_mesh_product_not_the_device_count_is_refused_with_both_numbers():
 
 
 def test_mesh_from_the_run_config_defaults_to_all_devices_on_data():
-    from llm_jax.run_config import default_run_config
+    from llm_jax.training.run_config import default_run_config
 
     mesh = sh.mesh_from_config(default_run_config("t", tiny_model()).mesh)
     assert dict(mesh.shape) == {"data": len(jax.devices()), "fsdp": 1, "tensor": 1, "expert": 1}
@@ -110,7 +110,7 @@ def test_optimizer_state_gets_the_param_shardings():
     """Adam's m and v are nnx.State trees of Params with their param's logical names."""
     from flax import nnx
 
-    from llm_jax.train_step import init_state, make_optimizer
+    from llm_jax.training.step import init_state, make_optimizer
 
     tx = make_optimizer(tiny_train())
     abstract = jax.eval_shape(lambda: init_state(tiny_model(), tx, 0))
@@ -131,7 +131,7 @@ def test_optimizer_state_gets_the_param_shardings():
 def test_describe_lists_every_param_sharding_from_the_same_rules():
     from flax import nnx
 
-    from llm_jax import describe
+    from llm_jax.model import costs as describe
     from llm_jax.model import abstract_model
 
     mesh = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 4}
@@ -248,7 +248,7 @@ def case_expert_parallel() -> dict:
 
 
 def case_bad_divisibility() -> dict:
-    from llm_jax.train_step import compile_steps
+    from llm_jax.training.step import compile_steps
 
     out = {}
     try:

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm_jax.checkpointing import Checkpointer, restore_params
+from llm_jax.training.checkpointing import Checkpointer, restore_params
 from llm_jax.config import ModelConfig
-from llm_jax.run_config import default_run_config, model_config
-from llm_jax.sharding import make_mesh
+from llm_jax.training.run_config import default_run_config, model_config
+from llm_jax.parallel.sharding import make_mesh
 from llm_jax.train import train
-from llm_jax.train_step import compile_steps, decay_mask, learning_rate_schedule
+from llm_jax.training.step import compile_steps, decay_mask, learning_rate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,7 +173,7 @@ def test_changed_model_config_is_refused_and_checkpoints_kept(corpus_dir, tmp_pa
 
 
 def test_resume_allows_other_execution_fields_but_not_other_numerics():
-    from llm_jax.checkpointing import check_same_model
+    from llm_jax.training.checkpointing import check_same_model
     from llm_jax.config import ModelConfig
 
     saved = {"model": ModelConfig().to_dict()}

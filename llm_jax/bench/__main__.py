@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from llm_jax.malloc import use_preferred_malloc
+from llm_jax.runtime.malloc import use_preferred_malloc
 
 SUBCOMMANDS = ("peak", "train", "decode", "moe", "norm", "attention")
 

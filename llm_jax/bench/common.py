@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from llm_jax.malloc import active_malloc
+from llm_jax.runtime.malloc import active_malloc
 
 DEFAULT_DIR = Path("runs/bench")
 

@@ -61,7 +61,7 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
     """Prefill time and decode tokens/s (medians of `repeats`) for random weights of `cfg`
     (default: the tiny config), beside transformers' `generate` on the same weights; and the real
     cache's bytes against describe.kv_cache_bytes at several contexts."""
-    from llm_jax.describe import kv_cache_bytes
+    from llm_jax.model.costs import kv_cache_bytes
     from llm_jax.model import init_model
 
     cfg = cfg or ModelConfig()
@@ -106,7 +106,7 @@ def _hf_twin(model: nnx.Module):
     import torch
     import transformers
 
-    from llm_jax.checkpoint_io import save_hf
+    from llm_jax.weights.formats import save_hf
 
     with tempfile.TemporaryDirectory() as d:
         save_hf(model, d)

@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from llm_jax.bench.common import machine, table
-from llm_jax.peak import measure_peak_flops
+from llm_jax.runtime.peak import measure_peak_flops
 
 DTYPES = ("float32", "bfloat16")
 

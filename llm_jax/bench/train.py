@@ -24,7 +24,7 @@ import numpy as np
 
 from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.config import ModelConfig
-from llm_jax.describe import flops_per_token
+from llm_jax.model.costs import flops_per_token
 
 SHAPES = ((8, 256), (4, 1024))
 DTYPES = ("float32", "bfloat16")
@@ -41,7 +41,7 @@ def tiny_run_config():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.get_config()
-    from llm_jax.run_config import default_run_config  # installed without the configs folder
+    from llm_jax.training.run_config import default_run_config  # installed without the configs folder
 
     return default_run_config("tiny", ModelConfig())
 
@@ -62,8 +62,8 @@ class JaxTrainer:
     """`compile_steps`' train step on one device, called `steps` times per call."""
 
     def __init__(self, cfg: ModelConfig, train_cfg, batch: dict[str, np.ndarray], seed: int = 0):
-        from llm_jax.sharding import make_mesh
-        from llm_jax.train_step import compile_steps
+        from llm_jax.parallel.sharding import make_mesh
+        from llm_jax.training.step import compile_steps
 
         self.steps = compile_steps(cfg, train_cfg, make_mesh(devices=jax.devices()[:1]), seed)
         self.state = self.steps.init()
@@ -85,7 +85,7 @@ def hf_model(cfg: ModelConfig, seed: int = 0):
     import torch
     import transformers
 
-    from llm_jax.checkpoint_io import save_hf
+    from llm_jax.weights.formats import save_hf
     from llm_jax.model import init_model
 
     with tempfile.TemporaryDirectory() as d:
@@ -128,7 +128,7 @@ class TorchTrainer:
 
 def measure_peaks(dtypes, *, quick: bool) -> dict[str, float]:
     """The MFU denominator per dtype: the faster of XLA's and (float32) NumPy's matmul."""
-    from llm_jax.peak import measure_peak_flops
+    from llm_jax.runtime.peak import measure_peak_flops
 
     n, repeats = (256, 2) if quick else (2048, 9)
     return {d: measure_peak_flops(d, n=n, repeats=repeats)["peak"] for d in dtypes}

@@ -25,7 +25,7 @@ from llm_jax.model.blockwise_attention import blockwise_attend, use_blockwise
 from llm_jax.model.kv_cache import LayerCache, append, fill, ring_positions
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
-from llm_jax.sharding import constrain
+from llm_jax.parallel.sharding import constrain
 
 _MASKED = -1e30  # finite, so a row with every key masked still has its sink and no NaN
 

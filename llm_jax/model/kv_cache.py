@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from llm_jax.config import ModelConfig
-from llm_jax.sharding import logical_to_spec
+from llm_jax.parallel.sharding import logical_to_spec
 
 # Logical names of a layer cache's dimensions, mapped onto a mesh by llm_jax.sharding.RULES
 # (batch on the data axes, kv heads on `tensor`), the same table the weights use.

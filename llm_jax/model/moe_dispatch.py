@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from llm_jax.config import SWIGLU_ALPHA, ModelConfig
-from llm_jax.sharding import constrain
+from llm_jax.parallel.sharding import constrain
 
 
 class Routing(NamedTuple):

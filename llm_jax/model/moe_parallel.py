@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from llm_jax.model.moe_dispatch import ExpertWeights, Routing, swiglu
-from llm_jax.sharding import RULES, logical_to_spec, spec_axes
+from llm_jax.parallel.sharding import RULES, logical_to_spec, spec_axes
 
 P = jax.sharding.PartitionSpec
 

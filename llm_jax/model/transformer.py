@@ -28,7 +28,7 @@ from llm_jax.model.kv_cache import KVCache, LayerCache
 from llm_jax.model.moe import MoE, MoEAux
 from llm_jax.model.norm import make_norm
 from llm_jax.model.params import normal, param
-from llm_jax.sharding import constrain
+from llm_jax.parallel.sharding import constrain
 
 RESIDUAL = ("batch", "length", "embed")  # logical axes of the residual stream
 

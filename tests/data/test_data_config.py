@@ -4,7 +4,7 @@ import pytest
 
 from llm_jax.config import ModelConfig
 from llm_jax.data import DataConfig
-from llm_jax.run_config import default_run_config
+from llm_jax.training.run_config import default_run_config
 
 
 def test_run_config_data_section_converts_to_the_default_data_config():

@@ -22,10 +22,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from llm_jax import faults
+from llm_jax.training import faults
 from llm_jax.config import ModelConfig
 from llm_jax.model import Transformer
-from llm_jax.sharding import (batch_sharding, check_divisible, logical_axes, replicated,
+from llm_jax.parallel.sharding import (batch_sharding, check_divisible, logical_axes, replicated,
                               state_shardings, with_mesh)
 
 # Matrices get weight decay; norms, biases and sinks do not.

@@ -93,7 +93,7 @@ class StopRequest:
             return self.signum is not None
         if not agree:
             return False
-        from llm_jax import distributed
+        from llm_jax.parallel import distributed
 
         flags = distributed.process_allgather_int(self.signum or 0)
         signum = max(flags)

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from llm_jax.checkpointing import Checkpointer, find_training_checkpoint, restore_params
+from llm_jax.training.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.config import RMS_NORM_EPS, SWIGLU_ALPHA, ModelConfig
 
 LLM_JAX_CONFIG = "config.json"

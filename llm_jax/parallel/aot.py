@@ -1,0 +1,206 @@
+"""Compile the real train step ahead of time for hardware that is not here, and price its memory.
+
+    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5p-32 \\
+        --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\
+        [--config.model.moe_dispatch=expert_parallel ...] [--json]
+    python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
+
+With --topology the devices are libtpu's compile-only description of that TPU slice (pip install
+"llm_jax[tpu]"; no TPU needed); with --cpu_devices N, N simulated CPU devices. The step is
+lowered with abstract inputs (ShapeDtypeStructs carrying the shardings of `compile_steps`), so
+nothing is allocated, and `compiled.memory_analysis()` gives per-chip bytes: arguments (params,
+optimizer state, batch), outputs, temporaries; the state is donated, so outputs alias it. Next
+to it, the arithmetic estimate of `describe.memory_per_device`.
+
+Topology names: `v5p-N`, `v4-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N` count chips
+(Cloud TPU accelerator types); or libtpu's own `v5p:2x2x4`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import jax
+import ml_collections
+
+# Per-chip HBM (bytes), by jax device_kind. Cloud TPU specs: v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
+# v6e 32 GiB.
+HBM_BYTES = {"TPU v4": 32 * 2**30, "TPU v5 lite": 16 * 2**30, "TPU v5": 95 * 2**30,
+             "TPU v6 lite": 32 * 2**30}
+
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8"}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+              256: "16x16"}
+_GENERATIONS = {"v4": (2, _SHAPES_3D), "v5p": (2, _SHAPES_3D), "v5e": (1, _SHAPES_2D),
+                "v6e": (1, _SHAPES_2D)}
+
+
+def topology_name(name: str) -> str:
+    """'v5p-32' -> 'v5p:2x2x4' (libtpu's name); names with ':' pass through."""
+    if ":" in name:
+        return name
+    gen, _, count = name.partition("-")
+    if gen not in _GENERATIONS or not count.isdigit():
+        raise ValueError(f"--topology={name!r} is invalid: expected GEN-N with GEN in "
+                         f"{sorted(_GENERATIONS)} (e.g. v5p-32, v6e-16) or a libtpu name like "
+                         f"v5p:2x2x4")
+    per_chip, shapes = _GENERATIONS[gen]
+    chips = int(count) // per_chip
+    if int(count) % per_chip or chips not in shapes:
+        raise ValueError(f"--topology={name!r}: {count} is not a {gen} slice size; known sizes "
+                         f"are {[c * per_chip for c in shapes]}")
+    return f"{gen}:{shapes[chips]}"
+
+
+def tpu_devices(name: str, num_slices: int = 1) -> list[Any]:
+    """Compile-only devices of a TPU topology (needs libtpu, not a TPU)."""
+    import os
+
+    from jax.experimental import topologies
+
+    # Compile-only use: let several processes (parallel tests, two compiles) load libtpu.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    try:
+        return list(topologies.get_topology_desc(topology_name=topology_name(name),
+                                                 platform="tpu", **kwargs).devices)
+    except (RuntimeError, ImportError) as e:  # no libtpu
+        raise RuntimeError(f"cannot describe TPU topology {name!r}: {e}; install libtpu with "
+                           f"pip install 'llm_jax[tpu]'") from e
+
+
+def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
+                       mesh: dict[str, int] | None = None, dcn: dict[str, int] | None = None,
+                       batch: int | None = None, seq_len: int | None = None) -> dict[str, Any]:
+    """Lowers and compiles the train step for `devices`; returns memory and timing facts."""
+    import jax.numpy as jnp
+
+    from llm_jax.model import costs as describe
+    from llm_jax.training.run_config import model_config
+    from llm_jax.parallel.sharding import MESH_AXES, make_mesh
+    from llm_jax.training.step import compile_steps
+
+    cfg = model_config(run_cfg)
+    tc = ml_collections.ConfigDict(run_cfg.train.to_dict())
+    if batch is not None:
+        tc.batch_size = batch
+    seq_len = run_cfg.data.seq_len if seq_len is None else seq_len
+    if mesh is None:  # the config's mesh section
+        mesh = {a: run_cfg.mesh[a] for a in MESH_AXES}
+        dcn = dcn or {a: run_cfg.mesh[f"dcn_{a}"] for a in MESH_AXES}
+    m = make_mesh(mesh, devices, dcn_sizes=dcn if dcn and any(v > 1 for v in dcn.values())
+                  else None)
+    t0 = time.perf_counter()
+    steps = compile_steps(cfg, tc, m, run_cfg.seed)
+    tokens = jax.ShapeDtypeStruct((tc.batch_size, seq_len), jnp.int32,
+                                  sharding=steps.batch_sharding)
+    lowered = steps.train.lower(steps.abstract_state, {"inputs": tokens, "targets": tokens})
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    ma = compiled.memory_analysis()
+    args, out, alias = ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes
+    temp, code = ma.temp_size_in_bytes, ma.generated_code_size_in_bytes
+    total = args + out - alias + temp + code
+    kind = devices[0].device_kind
+    hbm = HBM_BYTES.get(kind)
+    sizes = dict(m.shape)
+    estimate = describe.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes)
+    return {
+        "name": run_cfg.get("name", ""), "device_kind": kind, "devices": len(devices),
+        "mesh": sizes, "batch": tc.batch_size, "seq_len": seq_len,
+        "moe_dispatch": cfg.moe_dispatch, "remat": cfg.remat,
+        "lower_seconds": t1 - t0, "compile_seconds": t2 - t1,
+        "bytes": {"arguments": args, "outputs": out, "aliased": alias, "temp": temp,
+                  "code": code, "total": total,
+                  "peak": getattr(ma, "peak_memory_in_bytes", 0)},
+        "hbm_bytes": hbm, "fits": None if hbm is None else total <= hbm,
+        "estimate": {k: estimate[k] for k in ("params", "grads", "adam_m_v", "activations",
+                                              "total")},
+    }
+
+
+def format_result(r: dict[str, Any]) -> str:
+    from llm_jax.model.costs import _bytes
+
+    b, e = r["bytes"], r["estimate"]
+    mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items())
+    fits = ("no HBM size known for this device" if r["fits"] is None else
+            f"{'fits' if r['fits'] else 'does NOT fit'} in {_bytes(r['hbm_bytes'])} HBM")
+    return "\n".join([
+        f"# {r['name']} train step on {r['devices']} x {r['device_kind']}, mesh {mesh}, "
+        f"batch {r['batch']} x seq {r['seq_len']}, dispatch {r['moe_dispatch']}, "
+        f"remat {r['remat']}",
+        f"lowered in {r['lower_seconds']:.1f} s, compiled in {r['compile_seconds']:.1f} s",
+        "per chip, compiled (memory_analysis):",
+        f"  arguments {_bytes(b['arguments'])} (params + optimizer state + batch), outputs "
+        f"{_bytes(b['outputs'])} of which aliased (donated) {_bytes(b['aliased'])}, temporaries "
+        f"{_bytes(b['temp'])}, code {_bytes(b['code'])}",
+        f"  total {_bytes(b['total'])}: {fits}",
+        f"per chip, estimated (describe.memory_per_device): params {_bytes(e['params'])}, grads "
+        f"{_bytes(e['grads'])}, Adam m+v {_bytes(e['adam_m_v'])}, activations "
+        f"{_bytes(e['activations'])}, total {_bytes(e['total'])}",
+    ])
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from absl import flags
+
+    from llm_jax.model.costs import parse_mesh
+
+    FLAGS = flags.FLAGS
+    try:
+        if FLAGS.topology:
+            devices = tpu_devices(FLAGS.topology, FLAGS.num_slices)
+        else:
+            devices = jax.devices()
+        mesh = parse_mesh(FLAGS.mesh, allow_fill=True) if FLAGS.mesh else None
+        dcn = parse_mesh(FLAGS.dcn) if FLAGS.dcn else None
+        result = compile_train_step(FLAGS.config, devices, mesh=mesh, dcn=dcn, batch=FLAGS.batch,
+                                    seq_len=FLAGS.seq_len)
+    except (ValueError, RuntimeError) as e:
+        print(f"llm_jax.compile: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(result, indent=2) if FLAGS.json else format_result(result))
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "configs/*.py file with get_config()",
+                                    lock_config=True)
+    flags.DEFINE_string("topology", "", "TPU slice, e.g. v5p-32, v5e-16, v6e-64 or v5p:2x2x4 "
+                        "('' = this machine's devices)")
+    flags.DEFINE_integer("num_slices", 1, "TPU slices joined by DCN (multi-slice)")
+    flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (no --topology)")
+    flags.DEFINE_string("mesh", "", "mesh axis sizes within a slice, one may be -1, e.g. "
+                        "fsdp=-1,expert=4 ('' = the config's mesh section)")
+    flags.DEFINE_string("dcn", "", "mesh axis sizes across slices, e.g. data=2")
+    flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
+    flags.DEFINE_integer("seq_len", None, "sequence length (default: data.seq_len)")
+    flags.DEFINE_bool("json", False, "print the result as JSON")
+    flags.mark_flag_as_required("config")
+
+
+def _cpu_devices_from_argv(argv: list[str]) -> None:
+    """--cpu_devices must take effect before JAX creates its CPU backend."""
+    for i, a in enumerate(argv):
+        value = a.partition("=")[2] if a.startswith("--cpu_devices=") else (
+            argv[i + 1] if a == "--cpu_devices" and i + 1 < len(argv) else None)
+        if value and int(value) > 0:
+            jax.config.update("jax_num_cpu_devices", int(value))
+
+
+def cli() -> None:
+    """`python -m llm_jax.compile`."""
+    from absl import app
+
+    _define_flags()
+    _cpu_devices_from_argv(sys.argv)
+    app.run(main)

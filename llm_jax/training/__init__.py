@@ -1,0 +1,1 @@
+"""Training: the run config, the pure train/eval steps, checkpoints, signals, metrics."""
