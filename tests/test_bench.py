@@ -102,6 +102,8 @@ EXPECTED = {
                            and row["transformers"]["tokens_per_s"] > 0 and row["speedup"] > 0
                            and np.isfinite(row["llm_jax"]["last_loss"]) for row in r["rows"]),
     "decode": lambda r: all(row["llm_jax"]["decode_tokens_per_s"] > 0 for row in r["decode"]),
+    "prefill": lambda r: all(row["prefill_s"] > 0 and row["peak_rss_bytes"] > 2**20
+                             for row in r["rows"]),
 }
 EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf"]}
 
