@@ -102,6 +102,22 @@ def test_odd_layer_counts_and_a_window_longer_than_the_cache(layers, window):
         np.testing.assert_allclose(lg, want, atol=TOL, rtol=0)
 
 
+def test_long_prompts_prefill_block_sparse_and_continue_like_full_recompute(model):
+    from llm_jax.model.blockwise_attention import use_blockwise
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, V, 1100).tolist(), rng.integers(1, V, 1030).tolist()]
+    assert use_blockwise(2, bucket(1100), bucket(1100), CFG.num_attention_heads)
+    ids, logits = generate(model, prompts, max_new_tokens=4, return_logits=True)
+    seqs = np.zeros((2, 1104), np.int32)  # one uncached forward over prompt + new tokens
+    for i, (p, n) in enumerate(zip(prompts, ids)):
+        seqs[i, :len(p) + len(n)] = p + n
+    full = np.asarray(model(jnp.asarray(seqs)))
+    for i, (p, n) in enumerate(zip(prompts, ids)):
+        np.testing.assert_allclose(logits[i], full[i, len(p) - 1:len(p) + len(n) - 1],
+                                   atol=TOL, rtol=0)
+
+
 # ---------------------------------------------------------------------- transformers
 def test_greedy_tokens_match_transformers_generate(tmp_path):
     torch = pytest.importorskip("torch")

@@ -142,21 +142,26 @@ class Attention(nnx.Module):
         chex.assert_shape(o, (b, t, cfg.num_attention_heads, cfg.head_dim))
         return self.out(o), cache
 
-    def self_attend(self, q, k, v, positions_BT, window, segment_ids_BT) -> jax.Array:
+    def self_attend(self, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
+                    positions_BT: jax.Array, window: jax.Array | int,
+                    segment_ids_BT: jax.Array | None) -> jax.Array:
+        """Each query over the input's own keys: direct for short T, block-sparse for long."""
         b, t = positions_BT.shape
         if use_blockwise(b, t, t, self.cfg.num_attention_heads):  # long T: memory linear in T
-            return blockwise_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
-                                    segment_ids_BT, segment_ids_BT)
+            return blockwise_attend(q_BTNH, k_BTKH, v_BTKH, self.sinks[...], positions_BT,
+                                    positions_BT, window, segment_ids_BT, segment_ids_BT)
         mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
-        return attend(q, k, v, self.sinks[...], mask)
+        return attend(q_BTNH, k_BTKH, v_BTKH, self.sinks[...], mask)
 
-    def decode(self, q, k, v, positions_B, window, cache: LayerCache):
+    def decode(self, q_B1NH: jax.Array, k_B1KH: jax.Array, v_B1KH: jax.Array,
+               positions_B: jax.Array, window: jax.Array | int,
+               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
         """One new position per row: write it, then attend over every slot still visible."""
-        cache = append(cache, k[:, 0], v[:, 0], positions_B)
+        cache = append(cache, k_B1KH[:, 0], v_B1KH[:, 0], positions_B)
         kv_positions_BS = ring_positions(positions_B, cache.slots)
         mask = attention_mask(positions_B[:, None], kv_positions_BS, window, None,
                               (kv_positions_BS >= 0).astype(jnp.int32))
         cdt = self.cfg.compute_dtype
-        o = attend(q, jnp.swapaxes(cache.k, 1, 2).astype(cdt),
+        o = attend(q_B1NH, jnp.swapaxes(cache.k, 1, 2).astype(cdt),
                    jnp.swapaxes(cache.v, 1, 2).astype(cdt), self.sinks[...], mask)
         return o, cache
