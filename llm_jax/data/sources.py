@@ -144,9 +144,15 @@ class TextSplits:
                               tfds_shards(self.builder, sub), self.text_key)
 
     def texts(self, split: str) -> Iterator[str]:
-        """Every document of `split` in stored order (to train the tokenizer on a prefix)."""
-        docs = self.share(split)
-        return (docs[i] for i in range(len(docs)))
+        """Every document of `split` in stored order, to train the tokenizer on a prefix.
+        Lazy: a shard is opened when the reading reaches it (a saved tokenizer reads none)."""
+        if self.builder is None:  # ArrayRecord shards: one at a time, in order
+            sources = (array_record_share([path], 0, 1) for path in self.splits[split])
+        else:  # TFDS opens a shard on its first read
+            sources = iter([self.share(split)])
+        for docs in sources:
+            for i in range(len(docs)):
+                yield docs[i]
 
 
 def pick_eval_split(available: Iterable[str], requested: str = "") -> str:

@@ -95,6 +95,9 @@ def test_an_epoch_over_two_processes_has_every_document_exactly_once(source, cfg
     shares = []
     for p in range(2):
         data = _data(cfg, workdir, index=p, count=2, batch=4, vocab=vocab)
+        if source == "array_record":  # whole shards: 0 and 2, or 1 and 3
+            names = [os.path.basename(s.path) for s in data.splits.share("train", p, 2).shards]
+            assert names == [f"train-0000{i}-of-00004.array_record" for i in (p, p + 2)]
         expected = _share_targets(data, "train", p, 2)
         n = sum(map(len, expected))
         rows = _take(data.train_iter, -(-n // (2 * SEQ_LEN)) + 1)
@@ -195,9 +198,13 @@ def test_a_corrupt_or_truncated_shard_is_named(cfg, workdir, shard_dir, tmp_path
     broken = dataclasses.replace(cfg, array_record_train=f"{bad}/train-*")
     with pytest.raises(ShardReadError, match="train-00002-of-00004.array_record"):
         _take(_data(broken, str(tmp_path / "w")).train_iter, 50)
+    # Of two processes, the one without that shard (files 1 and 3) never opens it.
+    _data(cfg, workdir)  # the tokenizer, trained on the intact shards
+    _take(_data(broken, workdir, index=1, count=2).train_iter, 50)
     victim.write_bytes(bytes(raw[:1000]))  # truncated: its footer is gone
     with pytest.raises(ShardReadError, match="cannot open ArrayRecord shard .*train-00002"):
-        _data(broken, str(tmp_path / "w"))
+        _data(broken, workdir, index=0, count=2)
+    _data(broken, workdir, index=1, count=2)
 
 
 def test_bad_batch_and_process_arguments_raise(cfg, workdir):
