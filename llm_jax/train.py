@@ -83,7 +83,7 @@ def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
 
     model = nnx.merge(nnx.graphdef(abstract_model(cfg)), jax.device_get(params))
     prompts = (["def ", "import ", "class ", "for ", "    return "] * num_samples)[:num_samples]
-    ids = [tokenizer.encode(p) for p in prompts]
+    ids = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]  # documents start so
     out = sample(model, ids, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
                    seed=seed, eos_id=tokenizer.eos_id)
     return [p + tokenizer.decode(list(o)) for p, o in zip(prompts, out)]
@@ -119,7 +119,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     if latest is not None:
         check_same_model(saved_config, mcfg, ckpt.directory)
 
-    # Process 0 builds the tokenizer and token caches in the workdir; the others then read them.
+    # Process 0 builds the tokenizer (and a local TFDS build) in the workdir; the others read them.
     if not is_main:
         distributed.barrier("data")
     data = make_datasets(cfg.data, workdir=workdir, vocab_size=mcfg.vocab_size,
@@ -129,6 +129,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     if data.tokenizer.vocab_size != mcfg.vocab_size:
         raise ValueError(f"tokenizer in {workdir} has vocab {data.tokenizer.vocab_size}, "
                          f"model.vocab_size is {mcfg.vocab_size}")
+    if latest is not None:  # refused here: Orbax failing on it would quarantine the checkpoint
+        data.check_checkpoint(ckpt.step_dir(latest))
     if stop.signum:  # a signal during start-up: nothing new to save
         raise Interrupted(f"stopped by signal {stop.signum} before training", -1, stop.signum)
     steps = compile_steps(mcfg, tc, mesh, cfg.seed)
@@ -245,6 +247,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     finally:
         bar.close()
         ckpt.close()
+        data.train_iter.close()  # stops its prefetch thread and worker processes
 
     if is_main and os.path.exists(writer.path):
         from llm_jax.training.plots import plot_expert_load, plot_losses

@@ -1,4 +1,5 @@
-"""Data: text sources (local files or TFDS), the BPE tokenizer, and the Grain batch pipeline.
+"""Data: text sources (local files, TFDS, ArrayRecord shards), the BPE tokenizer, and the
+streaming Grain pipeline that packs documents into rows (docs/training.md, "Data").
 
 The trainer calls `make_datasets(cfg.data, workdir=..., vocab_size=..., global_batch_size=...)`.
 """

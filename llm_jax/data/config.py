@@ -21,6 +21,8 @@ class DataConfig:
     tfds_train_split: str = "train"
     tfds_eval_split: str = ""  # "" = "validation" if the dataset has it, else "test"
     files: str = ""  # glob of local text files; "" = the Python standard library's .py files
+    array_record_train: str = ""  # glob of ArrayRecord shards, one UTF-8 document per record
+    array_record_eval: str = ""  # the same for evaluation (needed with array_record_train)
     data_dir: str = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
     validation_fraction: float = 0.02  # local text: share of files (by path hash) held out
     seq_len: int = 256
@@ -37,6 +39,11 @@ class DataConfig:
 
         if self.tfds_name and self.files:
             bad("files", "'' when tfds_name is set (choose one source)")
+        if self.array_record_train and (self.tfds_name or self.files):
+            bad("array_record_train", "'' when tfds_name or files is set (choose one source)")
+        if bool(self.array_record_train) != bool(self.array_record_eval):
+            bad("array_record_eval", "a glob of evaluation shards when array_record_train is "
+                "set, and '' otherwise")
         if not 0.0 < self.validation_fraction < 1.0:
             bad("validation_fraction", "a fraction in (0, 1)")
         if self.seq_len < 1:

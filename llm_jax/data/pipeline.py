@@ -1,215 +1,139 @@
-"""Batches of token chunks for training and evaluation, as a resumable Grain pipeline.
+"""Batches of packed documents for training and evaluation: a streaming, resumable Grain pipeline.
 
-Shapes: B per-process batch, T seq_len.  Train batches: {"inputs", "targets"} int32 [B, T];
-eval batches add "target_bytes" int32 [B, T] (UTF-8 bytes each target token decodes to), so
-bits per byte = sum(nll) / (ln 2 * sum(target_bytes)).
+Shapes: B per-process batch, T seq_len. Batches hold "inputs", "targets", "positions",
+"segment_ids" int32 [B, T] (packing.py); eval batches add "target_bytes" int32 [B, T], so
+bits per byte = sum(nll) / (ln 2 * sum(target_bytes)) over targets with segment_ids > 0.
 
-Design: each split is tokenized once, whole (documents in stored order, EOS after each), and
-the token stream is cached as a .npy in the workdir, keyed by the data's name and the
-tokenizer's fingerprint. Chunk k is the window stream[k*T : k*T + T + 1]: consecutive chunks
-overlap by one token, so the inputs of chunks 0..n-1 tile the stream and so do the targets;
-no token is lost or predicted twice (only the < T tokens after the last full chunk are left
-out). Because a chunk is a pure function of its index, the Grain pipeline is a MapDataset over
-chunk indices: shuffle (reseeded each epoch) -> repeat -> take every P-th element for
-process p -> read chunk -> batch. Its iterator state is a single index, so get_state /
-set_state and Orbax checkpoints (grain.checkpoint.CheckpointSave) resume exactly, and the P
-per-process batches of step s together are the global batch of step s for any P. The cost is
-tokenizing up front: about 4 s for the 12 MB standard library (plus 4 s to train the
-tokenizer), so this fits corpora that tokenize in minutes and whose tokens fit on disk
-(memory-mapped, never loaded whole).
+Train, per process (sources.py gives each process its own share of the shards):
+
+    share of documents (random access) -> shuffle (reseeded every epoch) -> repeat
+      -> tokenize [in `worker_count` Grain worker processes] -> pack into rows of T -> batch B
+      -> prefetch thread -> TaggedIterator (checkpointable state, resume.py)
+
+Nothing is tokenized ahead or kept, so memory does not grow with the corpus (measured: 231 MB
+RSS streaming 20 MB of text, 244 MB for 2 GB; docs/benchmarks.md). The order is a function of
+(shuffle_seed, process index and count); tokenizing in workers gives the same batches as in the
+main process, because packing (the only stateful step) runs after them.
+Evaluation: the process's share of the eval split in stored order, packed the same way; exactly
+`num_batches` batches per process, padded with empty rows (segment 0) if the share runs out,
+so that every process takes part in every eval step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-import re
-import sys
-import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterator
+from typing import Any
 
 import grain
 import numpy as np
+from absl import flags
 
 from llm_jax.data.config import DataConfig
-from llm_jax.data.sources import TextSplits, open_text_splits
+from llm_jax.data.packing import ROW_KEYS, AddTargetBytes, TokenizeDocument, pack_rows
+from llm_jax.data.resume import TaggedIterator, check_saved_state
+from llm_jax.data.sources import DocumentSource, TextSplits, open_text_splits
 from llm_jax.data.tokenizer import Tokenizer, load_or_train
 
 log = logging.getLogger(__name__)
 
-_ENCODE_BATCH = 256  # documents per sentencepiece batch call
+_READ_AHEAD_DOCS = 16  # documents tokenized ahead by the read thread (per worker)
 
 
-def tokenize_stream(tok: Tokenizer, texts: Iterable[str]) -> np.ndarray:
-    """All documents as one token stream with EOS after each; uint16 when the vocab fits."""
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.int32
-    parts: list[np.ndarray] = []
-    batch: list[str] = []
-
-    def flush() -> None:
-        for ids in tok.encode_batch(batch):
-            parts.append(np.asarray(ids + [tok.eos_id], dtype))
-        batch.clear()
-
-    for text in texts:
-        batch.append(text)
-        if len(batch) == _ENCODE_BATCH:
-            flush()
-    flush()
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+def process_seed(seed: int, process_index: int) -> int:
+    """The shuffle seed of one process's share: distinct per process, fixed by both."""
+    return int(np.random.SeedSequence([seed, process_index]).generate_state(1)[0])
 
 
-def _save_npy_atomic(path: str, array: np.ndarray) -> None:
-    """np.save via a temp file + rename, so a concurrent reader never sees half a file."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        np.save(f, array)
-    os.replace(tmp, path)
-
-
-def cached_token_stream(splits: TextSplits, split: str, tok: Tokenizer, cache_dir: str) -> str:
-    """Path of the split's token stream .npy, tokenizing it first if it is not cached."""
-    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", splits.name)
-    path = os.path.join(cache_dir, f"{key}.{split}.{tok.fingerprint}.npy")
-    if not os.path.exists(path):
-        tokens = tokenize_stream(tok, splits.texts(split))
-        log.info("tokenized %s/%s: %d tokens -> %s", splits.name, split, tokens.size, path)
-        _save_npy_atomic(path, tokens)
-    return path
-
-
-class TokenChunks:
-    """Chunk k of a cached stream: {"inputs", "targets"[, "target_bytes"]} int32 [T].
-
-    Picklable for Grain worker processes: it carries the path and opens a memory map lazily,
-    so a worker never receives a copy of the stream.
-    """
-
-    def __init__(self, path: str, seq_len: int, token_bytes: np.ndarray | None = None):
-        self.path = path
-        self.seq_len = seq_len
-        self.token_bytes = token_bytes
-        self._tokens: np.ndarray | None = None
-        self.num_tokens = int(self.tokens.shape[0])
-
-    @property
-    def tokens(self) -> np.ndarray:
-        if self._tokens is None:
-            self._tokens = np.load(self.path, mmap_mode="r")
-        return self._tokens
-
-    def __len__(self) -> int:
-        return max(self.num_tokens - 1, 0) // self.seq_len
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokens": None}
-
-    def __call__(self, index: int) -> dict[str, np.ndarray]:
-        start = int(index) * self.seq_len
-        window = np.asarray(self.tokens[start : start + self.seq_len + 1], np.int32)
-        out = {"inputs": window[:-1], "targets": window[1:]}
-        if self.token_bytes is not None:
-            out["target_bytes"] = self.token_bytes[window[1:]]
-        return out
-
-
-def _read_options(prefetch: int) -> grain.ReadOptions:
-    # A chunk read is a memory-map slice, so one thread keeps `prefetch` batches ready.
-    return grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
-
-
-def train_dataset(
-    chunks: TokenChunks,
-    *,
-    batch_size: int,
-    seed: int,
-    process_index: int,
-    process_count: int,
-    worker_count: int = 0,
-    prefetch: int = 2,
-) -> grain.IterDataset:
-    """Endless shuffled batches of `batch_size` chunks for one process (see module doc)."""
-    if len(chunks) < batch_size * process_count:
-        raise ValueError(
-            f"the training split has {len(chunks)} chunks of seq_len+1={chunks.seq_len + 1} "
-            f"tokens, fewer than one global batch of {batch_size * process_count}"
-        )
-    ds = (
-        grain.MapDataset.range(len(chunks))
-        .shuffle(seed=seed)
-        .repeat(None)  # reseeds the shuffle each epoch
-        .slice(slice(process_index, None, process_count))
-        .map(chunks)
-        .batch(batch_size, drop_remainder=True)
-        .to_iter_dataset(_read_options(prefetch))
-    )
+def tokenized_documents(docs: DocumentSource, tok: Tokenizer, *, seed: int | None,
+                        worker_count: int = 0) -> grain.IterDataset:
+    """Tokenized documents; shuffled and endless if `seed` is given, else once in order."""
+    ds = grain.MapDataset.source(docs)
+    if seed is not None:
+        ds = ds.shuffle(seed=seed).repeat(None)  # repeat reseeds the shuffle each epoch
+    it = ds.map(TokenizeDocument(tok)).to_iter_dataset(
+        grain.ReadOptions(num_threads=1, prefetch_buffer_size=_READ_AHEAD_DOCS))
     if worker_count > 0:
-        ds = ds.mp_prefetch(
-            grain.MultiprocessingOptions(
-                num_workers=worker_count, per_worker_buffer_size=max(prefetch, 1)
-            )
-        )
+        if not flags.FLAGS.is_parsed():  # Grain reads its absl flags (defaults) in workers
+            flags.FLAGS.mark_as_parsed()
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+    return it
+
+
+def train_dataset(docs: DocumentSource, tok: Tokenizer, *, seq_len: int, batch_size: int,
+                  seed: int, worker_count: int = 0, prefetch: int = 2) -> grain.IterDataset:
+    """Endless shuffled batches of packed rows from one process's documents (module doc)."""
+    if len(docs) == 0:
+        raise ValueError("this process's share of the training data holds no documents: "
+                         "give the data at least as many shards as there are processes")
+    ds = tokenized_documents(docs, tok, seed=seed, worker_count=worker_count)
+    ds = pack_rows(ds, seq_len).batch(batch_size, drop_remainder=True)
+    if prefetch > 0:
+        ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
     return ds
 
 
-def eval_dataset(
-    chunks: TokenChunks,
-    *,
-    batch_size: int,
-    num_batches: int | None,
-    process_index: int,
-    process_count: int,
-) -> grain.IterDataset:
-    """The first `num_batches` global batches of the split (None = all), in order, finite."""
-    global_batch = batch_size * process_count
-    available = len(chunks) // global_batch
-    if available == 0:
-        raise ValueError(
-            f"the eval split has {len(chunks)} chunks of seq_len+1={chunks.seq_len + 1} tokens, "
-            f"fewer than one global batch of {global_batch}"
-        )
-    n = available if num_batches is None else min(num_batches, available)
-    if num_batches is not None and num_batches > available:
-        log.warning("eval split holds %d batches, not the %d asked for", available, num_batches)
-    return (
-        grain.MapDataset.range(n * global_batch)
-        .slice(slice(process_index, None, process_count))
-        .map(chunks)
-        .batch(batch_size, drop_remainder=True)
-        .to_iter_dataset(_read_options(2))
-    )
+def eval_dataset(docs: DocumentSource, tok: Tokenizer, *, seq_len: int, batch_size: int
+                 ) -> grain.IterDataset:
+    """The share's documents once, in order, packed; the last batch padded to `batch_size`."""
+    pad = functools.partial(grain.experimental.batch_and_pad, batch_size=batch_size)
+    return (pack_rows(tokenized_documents(docs, tok, seed=None), seq_len)
+            .batch(batch_size, batch_fn=pad)
+            .map(AddTargetBytes(tok.token_byte_lengths())))
+
+
+def empty_batch(batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
+    """A batch of padding only (segment 0 everywhere): it adds nothing to any eval sum."""
+    return {k: np.zeros((batch_size, seq_len), np.int32) for k in (*ROW_KEYS, "target_bytes")}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Data:
     """What the trainer needs: the train iterator, fresh eval iterators, the tokenizer."""
 
-    train_iter: grain.DatasetIterator  # endless; checkpoint with grain.checkpoint.CheckpointSave
+    train_iter: TaggedIterator  # endless; checkpoint with grain.checkpoint.CheckpointSave
     tokenizer: Tokenizer
     name: str  # the dataset, e.g. "local_text/stdlib_1a2b.../1.0.0"
-    train_chunks: TokenChunks  # the cached token streams, memory-mapped
-    eval_chunks: TokenChunks
-    _batch_size: int
-    _process_index: int
-    _process_count: int
+    splits: TextSplits
+    eval_docs: DocumentSource  # this process's share of the eval split
+    seq_len: int
+    batch_size: int  # per process
+    process_count: int
 
-    def make_eval_iter(self, num_batches: int | None = None) -> grain.DatasetIterator:
-        """A new iterator over the same eval batches every call (None = the whole split)."""
-        return iter(
-            eval_dataset(
-                self.eval_chunks,
-                batch_size=self._batch_size,
-                num_batches=num_batches,
-                process_index=self._process_index,
-                process_count=self._process_count,
-            )
-        )
+    def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """The same first `num_batches` eval batches every call, padded with empty batches if
+        the share is shorter (None = the whole share: one process only, as the count of
+        batches then differs between processes)."""
+        ds = eval_dataset(self.eval_docs, self.tokenizer, seq_len=self.seq_len,
+                          batch_size=self.batch_size)
+        if num_batches is not None:
+            return self._exactly(iter(ds), num_batches)
+        if self.process_count > 1:
+            raise ValueError("make_eval_iter(None) reads each process's whole share, a "
+                             "different number of batches per process: pass num_batches")
+        return iter(ds)
+
+    def _exactly(self, it: Iterator[dict[str, np.ndarray]], n: int
+                 ) -> Iterator[dict[str, np.ndarray]]:
+        for i in range(n):
+            batch = next(it, None)
+            if batch is None:
+                log.warning("the eval share holds %d batches, not the %d asked for: the rest "
+                            "are padding", i, n)
+                batch = empty_batch(self.batch_size, self.seq_len)
+            yield batch
+
+    def check_checkpoint(self, step_dir: str) -> None:
+        """Raises ValueError if the data state saved in `step_dir` cannot resume this pipeline
+        (another process count, seq_len, dataset, ...; see resume.py)."""
+        check_saved_state(os.path.join(step_dir, "data"), self.train_iter.identity)
 
 
 def make_datasets(
-    data_cfg: DataConfig | object,
+    data_cfg: DataConfig | Any,
     *,
     workdir: str,
     vocab_size: int,
@@ -217,11 +141,11 @@ def make_datasets(
     process_index: int | None = None,
     process_count: int | None = None,
 ) -> Data:
-    """Builds (or reuses) dataset, tokenizer and token caches under `workdir`; returns `Data`.
+    """Builds (or reuses) the dataset and tokenizer under `workdir`; returns `Data`.
 
-    `data_cfg` is a DataConfig or the run config's `data` ConfigDict. The shuffle seed is
-    `data_cfg.shuffle_seed`. Files written: WORKDIR/tokenizer.model, WORKDIR/tokens/*.npy,
-    and the TFDS build under data_cfg.data_dir (default WORKDIR/tfds).
+    `data_cfg` is a DataConfig or the run config's `data` ConfigDict. Files written:
+    WORKDIR/tokenizer.model (trained on the start of the train split if missing) and, for
+    local text or a named TFDS dataset, its build under data_cfg.data_dir (default WORKDIR/tfds).
     """
     cfg = data_cfg if isinstance(data_cfg, DataConfig) else DataConfig.from_dict(data_cfg)
     if process_index is None or process_count is None:
@@ -239,33 +163,25 @@ def make_datasets(
     batch_size = global_batch_size // process_count
 
     splits = open_text_splits(cfg, cfg.data_dir or os.path.join(workdir, "tfds"))
-    tok = load_or_train(
-        os.path.join(workdir, "tokenizer.model"),
-        splits.texts("train"),
-        vocab_size,
-        cfg.tokenizer_train_bytes,
-    )
-    cache_dir = os.path.join(workdir, "tokens")
-    train_chunks = TokenChunks(cached_token_stream(splits, "train", tok, cache_dir), cfg.seq_len)
-    eval_chunks = TokenChunks(
-        cached_token_stream(splits, "eval", tok, cache_dir), cfg.seq_len, tok.token_byte_lengths()
-    )
-    train = train_dataset(
-        train_chunks,
-        batch_size=batch_size,
-        seed=cfg.shuffle_seed,
-        process_index=process_index,
-        process_count=process_count,
-        worker_count=cfg.worker_count,
-        prefetch=cfg.prefetch,
-    )
+    tok = load_or_train(os.path.join(workdir, "tokenizer.model"), splits.texts("train"),
+                        vocab_size, cfg.tokenizer_train_bytes)
+    train_docs = splits.share("train", process_index, process_count)
+    train = train_dataset(train_docs, tok, seq_len=cfg.seq_len, batch_size=batch_size,
+                          seed=process_seed(cfg.shuffle_seed, process_index),
+                          worker_count=cfg.worker_count, prefetch=cfg.prefetch)
+    where = splits.splits["train"]
+    identity = {"format": 2, "dataset": splits.name,
+                "split": where if isinstance(where, str) else f"{len(where)} shards",
+                "tokenizer": tok.fingerprint, "seq_len": cfg.seq_len, "batch_size": batch_size,
+                "shuffle_seed": cfg.shuffle_seed, "worker_count": cfg.worker_count,
+                "process_index": process_index, "process_count": process_count}
     return Data(
-        train_iter=iter(train),
+        train_iter=TaggedIterator(iter(train), identity),
         tokenizer=tok,
         name=splits.name,
-        train_chunks=train_chunks,
-        eval_chunks=eval_chunks,
-        _batch_size=batch_size,
-        _process_index=process_index,
-        _process_count=process_count,
+        splits=splits,
+        eval_docs=splits.share("eval", process_index, process_count),
+        seq_len=cfg.seq_len,
+        batch_size=batch_size,
+        process_count=process_count,
     )

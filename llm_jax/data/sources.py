@@ -1,38 +1,158 @@
-"""The train and eval text of a run: local files (via the LocalText builder) or a TFDS dataset.
+"""The documents of a run, and each process's share of them, read by random access.
 
-Both kinds end as TFDS ArrayRecord data sources (random access, no TensorFlow) plus a name
-that identifies the data, which keys the token caches made from them.
+Three kinds of data (DataConfig), all read through array_record without TensorFlow and with
+nothing read up front:
+- local text files, by default the standard library (the LocalText TFDS builder, local_text.py);
+- a TFDS dataset by name (`tfds_name`, built with file_format="array_record");
+- ArrayRecord shards whose records are UTF-8 documents (`array_record_train` / `_eval` globs).
+
+A process's share, for process p of P (see docs/training.md, "Data"):
+- TFDS: `tfds.even_splits(split, P)[p]`, a contiguous 1/P of the split's records. TFDS knows
+  every shard's length from its metadata, so a process opens only the shards its range covers.
+- ArrayRecord shards (sorted by path): whole shards, files[p::P]. Nothing else is opened, not
+  even to count records, so a pod's hosts never touch each other's shards.
+Any failure to read is re-raised naming the shard file and record: array_record's own messages
+("Corrupted Riegeli/records file: chunk header hash mismatch ...") do not name the file.
 """
 
 from __future__ import annotations
 
+import bisect
+import concurrent.futures
 import dataclasses
+import glob
+import itertools
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import grain
 import tensorflow_datasets as tfds
 
 from llm_jax.data.config import DataConfig
 from llm_jax.data.local_text import build_local_text
 
+_COUNT_THREADS = 16  # shards opened at once to read their record counts (footers)
+
+
+class ShardReadError(ValueError):
+    """A shard could not be opened or one of its records read or decoded."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Records [skip, skip + take) of one ArrayRecord file."""
+
+    path: str
+    skip: int
+    take: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DocumentSource:
+    """One process's documents as str by index: a Grain MapDataset source (picklable)."""
+
+    records: Sequence[Any]  # a TFDS data source, or grain.sources.ArrayRecordDataSource
+    shards: tuple[Shard, ...]  # in record order: index i is in the shard whose range holds it
+    text_key: str | None  # the feature holding the text; None = a record is the UTF-8 bytes
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def shard_of(self, index: int) -> tuple[str, int]:
+        """(file, record number in that file) of document `index`."""
+        starts = list(itertools.accumulate((s.take for s in self.shards), initial=0))
+        k = min(max(bisect.bisect_right(starts, index) - 1, 0), len(self.shards) - 1)
+        shard = self.shards[k]
+        return shard.path, shard.skip + index - starts[k]
+
+    def __getitem__(self, index: int) -> str:
+        index = int(index)
+        try:
+            record = self.records[index]
+            text = record if self.text_key is None else record[self.text_key]
+            return text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        except Exception as e:  # noqa: BLE001 - array_record raises bare RuntimeErrors
+            path, record_no = self.shard_of(index) if self.shards else ("?", index)
+            raise ShardReadError(
+                f"cannot read record {record_no} of shard {path}: {type(e).__name__}: {e} "
+                "(a corrupt or truncated shard? rewrite it, or remove it from the data)") from e
+
+
+def shard_paths(pattern: str, field: str) -> list[str]:
+    """The sorted files matching `pattern`; an error naming `field` if there are none."""
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise ValueError(f"data.{field}={pattern!r} matches no files")
+    return paths
+
+
+def count_records(path: str) -> int:
+    """Records in one ArrayRecord file (reads its footer); a corrupt file is named."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    try:
+        reader = ArrayRecordReader(path)
+        try:
+            return int(reader.num_records())
+        finally:
+            reader.close()
+    except Exception as e:  # noqa: BLE001
+        raise ShardReadError(f"cannot open ArrayRecord shard {path}: {type(e).__name__}: {e} "
+                             "(a corrupt or truncated shard?)") from e
+
+
+def array_record_share(paths: Sequence[str], process_index: int, process_count: int
+                       ) -> DocumentSource:
+    """Whole shards paths[p::P] of raw UTF-8 documents (may be empty: the caller decides)."""
+    mine = list(paths[process_index::process_count])
+    with concurrent.futures.ThreadPoolExecutor(_COUNT_THREADS) as pool:
+        counts = list(pool.map(count_records, mine))
+    shards = tuple(Shard(p, 0, n) for p, n in zip(mine, counts) if n)
+    # "path[start:end]" tells Grain the count, so it does not open every file again to count.
+    records = (grain.sources.ArrayRecordDataSource([f"{s.path}[0:{s.take}]" for s in shards])
+               if shards else ())
+    return DocumentSource(records, shards, text_key=None)
+
+
+def tfds_shards(builder: Any, split: Any) -> tuple[Shard, ...]:
+    """The shard ranges TFDS reads for `split`, from its metadata (none under mock_data)."""
+    try:
+        instructions = builder.info.splits[split].file_instructions
+    except KeyError:
+        return ()
+    return tuple(Shard(os.fspath(fi.filename), fi.skip, fi.take) for fi in instructions)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TextSplits:
-    """A dataset's two splits as record sequences, and where the text sits in a record."""
+    """A dataset's train and eval splits; `share` opens one process's part of one."""
 
-    name: str  # e.g. "local_text/stdlib_1a2b.../1.0.0", "lm1b/1.1.0"
-    train: Sequence[Any]
-    eval: Sequence[Any]
-    text_key: str
-    eval_split: str
+    name: str  # e.g. "local_text/stdlib_1a2b.../1.0.0", "lm1b/1.1.0", "array_record/<glob>"
+    builder: Any  # the TFDS builder, or None for ArrayRecord shards
+    splits: dict[str, str | list[str]]  # "train" / "eval" -> TFDS split name, or shard paths
+    text_key: str | None
+
+    def share(self, split: str, process_index: int = 0, process_count: int = 1
+              ) -> DocumentSource:
+        """Process `process_index` of `process_count`'s documents of `split` ("train"/"eval")."""
+        where = self.splits[split]
+        if self.builder is None:
+            return array_record_share(where, process_index, process_count)
+        sub = tfds.even_splits(where, n=process_count)[process_index]
+        return DocumentSource(self.builder.as_data_source(split=sub),
+                              tfds_shards(self.builder, sub), self.text_key)
 
     def texts(self, split: str) -> Iterator[str]:
-        """The documents of `split` ("train" or "eval") in stored order, as str."""
-        source = self.train if split == "train" else self.eval
-        # One record at a time: deserializing dominates anyway, and TFDS's mock_data (used in
-        # the tests) breaks the batched __getitems__.
-        for i in range(len(source)):
-            text = source[i][self.text_key]
-            yield text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        """Every document of `split` in stored order, to train the tokenizer on a prefix.
+        Lazy: a shard is opened when the reading reaches it (a saved tokenizer reads none)."""
+        if self.builder is None:  # ArrayRecord shards: one at a time, in order
+            sources = (array_record_share([path], 0, 1) for path in self.splits[split])
+        else:  # TFDS opens a shard on its first read
+            sources = iter([self.share(split)])
+        for docs in sources:
+            for i in range(len(docs)):
+                yield docs[i]
 
 
 def pick_eval_split(available: Iterable[str], requested: str = "") -> str:
@@ -44,30 +164,22 @@ def pick_eval_split(available: Iterable[str], requested: str = "") -> str:
 
 def open_text_splits(cfg: DataConfig, data_dir: str) -> TextSplits:
     """Builds the dataset if needed (local files: seconds; named TFDS: may download)."""
+    if cfg.array_record_train:
+        splits = {"train": shard_paths(cfg.array_record_train, "array_record_train"),
+                  "eval": shard_paths(cfg.array_record_eval, "array_record_eval")}
+        return TextSplits(f"array_record/{cfg.array_record_train}", None, splits, None)
     if not cfg.tfds_name:
         builder = build_local_text(cfg.files, cfg.validation_fraction, data_dir)
-        return TextSplits(
-            name=builder.info.full_name,
-            train=builder.as_data_source(split="train"),
-            eval=builder.as_data_source(split="validation"),
-            text_key="text",
-            eval_split="validation",
-        )
+        return TextSplits(builder.info.full_name, builder,
+                          {"train": "train", "eval": "validation"}, "text")
     builder = tfds.builder(cfg.tfds_name, data_dir=data_dir, file_format="array_record")
     builder.download_and_prepare()
-    eval_split = pick_eval_split(builder.info.splits, cfg.tfds_eval_split)
-    train = builder.as_data_source(split=cfg.tfds_train_split)
-    eval_ = builder.as_data_source(split=eval_split)
     feature_keys = getattr(builder.info.features, "keys", lambda: [])()
     if feature_keys and cfg.text_key not in feature_keys:
         raise ValueError(
             f"data.text_key={cfg.text_key!r} is not a feature of {cfg.tfds_name}: "
             f"it has {sorted(feature_keys)}"
         )
-    return TextSplits(
-        name=builder.info.full_name,
-        train=train,
-        eval=eval_,
-        text_key=cfg.text_key,
-        eval_split=eval_split,
-    )
+    splits = {"train": cfg.tfds_train_split,
+              "eval": pick_eval_split(builder.info.splits, cfg.tfds_eval_split)}
+    return TextSplits(builder.info.full_name, builder, splits, cfg.text_key)

@@ -64,6 +64,9 @@ class Tokenizer:
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         self._space_ids = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE.encode()]
 
+    def __reduce__(self):  # Grain workers receive the model proto, not the C++ object
+        return (Tokenizer, (self._proto,))
+
     # ------------------------------------------------------------------ building
     @classmethod
     def train(
@@ -76,9 +79,18 @@ class Tokenizer:
     ) -> Tokenizer:
         """BPE on the lines of `texts` (up to `max_bytes`); deterministic given the same text."""
         model = io.BytesIO()
+        failed: list[Exception] = []  # sentencepiece turns the reader's errors into its own
+
+        def lines() -> Iterator[str]:
+            try:
+                yield from _training_lines(texts, max_bytes)
+            except Exception as e:
+                failed.append(e)
+                raise
+
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=_training_lines(texts, max_bytes),
+                sentence_iterator=lines(),
                 model_writer=model,
                 model_type="bpe",
                 vocab_size=vocab_size,
@@ -101,6 +113,8 @@ class Tokenizer:
                 minloglevel=2,
             )
         except RuntimeError as err:
+            if failed:  # e.g. a corrupt shard, named by the data source
+                raise failed[0] from None
             _raise_clear_vocab_error(err, vocab_size)
         return cls(model.getvalue())
 

@@ -25,6 +25,8 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.data.tfds_train_split = "train"
     cfg.data.tfds_eval_split = ""  # "" = "validation" if the dataset has it, else "test"
     cfg.data.files = ""  # a glob of local text files; "" = the Python standard library's .py files
+    cfg.data.array_record_train = ""  # glob of ArrayRecord shards of UTF-8 documents (records)
+    cfg.data.array_record_eval = ""  # the evaluation shards (needed with array_record_train)
     cfg.data.data_dir = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
     cfg.data.validation_fraction = 0.02  # local text: share of files (by path hash) held out
     cfg.data.seq_len = 256

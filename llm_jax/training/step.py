@@ -76,16 +76,31 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) ->
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
+def target_mask(batch: Batch) -> jax.Array:
+    """float32 [B, T]: 1 for targets the loss counts, 0 for padding (segment id 0).
+
+    Packed batches (llm_jax.data) never hold a target from another document, so padding is
+    all there is to mask; a batch without segment ids counts every target.
+    """
+    if "segment_ids" not in batch:
+        return jnp.ones(batch["targets"].shape, jnp.float32)
+    return (batch["segment_ids"] > 0).astype(jnp.float32)
+
+
 def loss_fn(
     params: nnx.State,
     graphdef: nnx.GraphDef,
     batch: Batch,
     train: ml_collections.ConfigDict,
+    num_targets: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Cross-entropy + weighted MoE auxiliary losses (Switch load balancing, router z-loss)."""
+    """Cross-entropy summed over counted targets / `num_targets` (so microbatches add up to the
+    global batch's mean), + weighted MoE auxiliary losses (Switch load balancing, z-loss)."""
     model = nnx.merge(graphdef, params)
-    logits_BTV, aux = model(batch["inputs"], train=True, return_aux=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"]).mean()
+    logits_BTV, aux = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                            train=True, return_aux=True)
+    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    ce = (ce_BT * target_mask(batch)).sum() / num_targets
     lb = aux.load_balancing_loss.mean()
     z = aux.router_z_loss.mean()
     loss = ce + train.load_balancing_loss_weight * lb + train.router_z_loss_weight * z
@@ -107,17 +122,21 @@ def train_step(
     loss = faults.poison_loss(loss, state.step, train.get("inject_nan_at_step", -1))
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     a = train.grad_accum_steps
+    # Each microbatch's summed cross-entropy over 1/a of the batch's targets: their mean over
+    # the a microbatches is the batch's mean, however the targets fall between them.
+    per_micro = jnp.maximum(target_mask(batch).sum(), 1.0) / a
     if a == 1:
-        (_, metrics), grads = grad_fn(state.params, batch=batch)
+        (_, metrics), grads = grad_fn(state.params, batch=batch, num_targets=per_micro)
     else:
         micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
 
         def accumulate(carry, mb):
-            (_, m), g = grad_fn(state.params, batch=mb)
+            (_, m), g = grad_fn(state.params, batch=mb, num_targets=per_micro)
             return jax.tree.map(jnp.add, carry, (g, m)), None
 
         (_, metrics_shape), grads_shape = jax.eval_shape(
-            grad_fn, state.params, batch=jax.tree.map(lambda x: x[0], micro))
+            grad_fn, state.params, batch=jax.tree.map(lambda x: x[0], micro),
+            num_targets=per_micro)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, metrics_shape))
         (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
         grads, metrics = jax.tree.map(lambda x: x / a, (grads, metrics))
@@ -135,12 +154,15 @@ def train_step(
 
 
 def eval_step(params: nnx.State, batch: Batch, *, graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
-    """Sums over the batch: negative log-likelihood (nats), tokens, and target UTF-8 bytes."""
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    out = {"nll": nll.sum(), "tokens": jnp.asarray(nll.size, jnp.float32)}
+    """Sums over the batch's counted targets: negative log-likelihood (nats), targets, and
+    their UTF-8 bytes (padding counts for nothing)."""
+    logits = nnx.merge(graphdef, params)(batch["inputs"], batch.get("positions"),
+                                         batch.get("segment_ids"))
+    mask_BT = target_mask(batch)
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]) * mask_BT
+    out = {"nll": nll_BT.sum(), "tokens": mask_BT.sum()}
     if "target_bytes" in batch:
-        out["bytes"] = batch["target_bytes"].sum().astype(jnp.float32)
+        out["bytes"] = (batch["target_bytes"] * mask_BT).sum()
     return out
 
 

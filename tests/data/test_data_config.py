@@ -17,3 +17,11 @@ def test_data_config_refuses_unknown_and_bad_fields_by_name():
         DataConfig.from_dict({"seq_lenn": 3})
     with pytest.raises(ValueError, match="validation_fraction=0.0"):
         DataConfig(validation_fraction=0.0)
+
+
+def test_array_record_globs_come_in_pairs_and_alone():
+    with pytest.raises(ValueError, match="array_record_eval"):
+        DataConfig(array_record_train="/d/train-*")
+    with pytest.raises(ValueError, match="array_record_train"):
+        DataConfig(array_record_train="/d/train-*", array_record_eval="/d/eval-*", files="*.txt")
+    DataConfig(array_record_train="/d/train-*", array_record_eval="/d/eval-*")
