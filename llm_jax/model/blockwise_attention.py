@@ -131,58 +131,73 @@ def _visit_lists(vis_IJ):
     return order_IJ, vis_IJ.sum(-1).astype(jnp.int32)
 
 
-def _scores(q_BKGQH, k_BKCH, qp_BQ, kp_BC, window, qs_BQ, ks_BC):
-    """Masked, scaled float32 scores of one block pair: [B, K, G, Q, C]."""
-    h = q_BKGQH.shape[-1]
-    s = jnp.einsum("BKGQH,BKCH->BKGQC", q_BKGQH, k_BKCH,
-                   preferred_element_type=jnp.float32) * (h ** -0.5)
-    return jnp.where(_mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC)[:, None, None], s, _MASKED)
+def _pair_mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC, g: int, *, keys_first: bool = False):
+    """`attention_mask` of one block pair, the same for the G q heads of a kv head:
+    [B, 1, G Q, C], or [B, 1, C, G Q] with `keys_first`."""
+    m_BQC = _mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC)
+    b, q, c = m_BQC.shape
+    if keys_first:
+        return jnp.broadcast_to(m_BQC.swapaxes(1, 2)[:, None, :, None], (b, 1, c, g, q)).reshape(
+            b, 1, c, g * q)
+    return jnp.broadcast_to(m_BQC[:, None, None], (b, 1, g, q, c)).reshape(b, 1, g * q, c)
 
 
 def _layout(q, k, v, qp, kp, qs, ks, cq, ck):
-    """Blocked operands: q [I, B, K, G, Q, H], k and v [J, B, K, C, H], positions [I, B, Q] and
-    [J, B, C] (padding queries see nothing, padding keys are seen by nothing), segment ids with
-    padding 0 (or None)."""
+    """Blocked operands, R = G Q rows per (query block, kv head): q [I, B, K, R, H]; k, v
+    [J, B, K, C, H] and k transposed [J, B, K, H, C], so that every block matmul is a plain
+    (M, K) x (K, N) product (XLA:CPU transposes the other forms inside the loop); positions
+    [I, B, Q] and [J, B, C] (padding queries see nothing, padding keys are seen by nothing);
+    segment ids with padding 0 (or None)."""
     b, t, n, h = q.shape
     kh = k.shape[2]
-    q_blocks = _head_blocks(q.reshape(b, t, kh, n // kh, h), cq)
-    k_blocks, v_blocks = (_head_blocks(x[:, :, :, None], ck)[:, :, :, 0] for x in (k, v))
-    qp_blocks = _blocks(qp.astype(jnp.int32), cq, _INT_MIN)
-    kp_blocks = _blocks(kp.astype(jnp.int32), ck, _INT_MAX)
-    qs_blocks = None if qs is None else _blocks(qs, cq, 0)
-    ks_blocks = None if ks is None else _blocks(ks, ck, 0)
-    return q_blocks, k_blocks, v_blocks, qp_blocks, kp_blocks, qs_blocks, ks_blocks
+    q_I = _head_blocks(q.reshape(b, t, kh, n // kh, h), cq)
+    q_I = q_I.reshape(*q_I.shape[:3], -1, h)
+    k_J, v_J = (_head_blocks(x[:, :, :, None], ck)[:, :, :, 0] for x in (k, v))
+    blocks = lambda x, c, pad: None if x is None else _blocks(x, c, pad)  # noqa: E731
+    return (q_I, k_J, k_J.swapaxes(-1, -2), v_J, blocks(qp.astype(jnp.int32), cq, _INT_MIN),
+            blocks(kp.astype(jnp.int32), ck, _INT_MAX), blocks(qs, cq, 0), blocks(ks, ck, 0))
+
+
+def _rows_to_heads(x_IBKR, g: int) -> jax.Array:
+    """[I, B, K, G Q, ...] -> [I, B, K, G, Q, ...]."""
+    return x_IBKR.reshape(*x_IBKR.shape[:3], g, -1, *x_IBKR.shape[4:])
 
 
 def _forward(q, k, v, sinks, qp, kp, window, qs, ks, cq, ck):
-    """Output [B, T, N, H] and its residuals for the backward pass."""
-    q_I, k_J, v_J, qp_I, kp_J, qs_I, ks_J = _layout(q, k, v, qp, kp, qs, ks, cq, ck)
-    _, b, kh, g, _, h = q_I.shape
+    """Output [B, T, N, H] and what the backward pass needs: the output and log-normaliser in
+    blocks, [I, B, K, R, H] and [I, B, K, R], and the visit lists."""
+    q_I, _, kt_J, v_J, qp_I, kp_J, qs_I, ks_J = _layout(q, k, v, qp, kp, qs, ks, cq, ck)
+    _, b, kh, r, h = q_I.shape
+    g = r // cq
     order_IJ, count_I = _visit_lists(block_visibility(qp, kp, window, qs, ks, q_block=cq,
                                                       block=ck))
-    sink_BKGQ = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kh, g, 1), (b, kh, g, cq))
+    sink_BKR = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kh, g, 1),
+                                (b, kh, g, cq)).reshape(b, kh, r)
 
     def query_block(_, xs):
-        q_BKGQH, qp_BQ, qs_BQ, order_J, count = xs
+        q_BKRH, qp_BQ, qs_BQ, order_J, count = xs
 
         def key_block(step, carry):
             m, l, acc = carry
             j = order_J[step]
-            s = _scores(q_BKGQH, k_J[j], qp_BQ, kp_J[j], window, qs_BQ,
-                        None if ks_J is None else ks_J[j])
+            s = jnp.einsum("BKRH,BKHC->BKRC", q_BKRH, kt_J[j],
+                           preferred_element_type=jnp.float32) * (h ** -0.5)
+            mask = _pair_mask(qp_BQ, kp_J[j], window, qs_BQ, None if ks_J is None else ks_J[j],
+                              g)
+            s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m, s.max(-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
-            pv = jnp.einsum("BKGQC,BKCH->BKGQH", p.astype(v.dtype), v_J[j],
+            pv = jnp.einsum("BKRC,BKCH->BKRH", p.astype(v.dtype), v_J[j],
                             preferred_element_type=jnp.float32)
             return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
-        init = (sink_BKGQ, jnp.ones_like(sink_BKGQ), jnp.zeros((b, kh, g, cq, h), jnp.float32))
+        init = (sink_BKR, jnp.ones_like(sink_BKR), jnp.zeros((b, kh, r, h), jnp.float32))
         m, l, acc = jax.lax.fori_loop(0, count, key_block, init)
         return None, ((acc / l[..., None]).astype(v.dtype), m + jnp.log(l))
 
     _, (out_I, lse_I) = jax.lax.scan(query_block, None, (q_I, qp_I, qs_I, order_IJ, count_I))
-    return _unblock(out_I, q.shape[1]), (out_I, lse_I, order_IJ, count_I)
+    return _unblock(_rows_to_heads(out_I, g), q.shape[1]), (out_I, lse_I, order_IJ, count_I)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
@@ -196,36 +211,39 @@ def _blockwise_fwd(q, k, v, sinks, qp, kp, window, qs, ks, cq, ck):
 
 
 def _blockwise_bwd(cq, ck, res, dout_BTNH):
+    """One pass over the visited pairs with every block keys-first, [C, R]: then each of the
+    five matmuls is a plain (M, K) x (K, N) product with no transpose inside the loop (q and
+    dO are transposed once per query block)."""
     q, k, v, sinks, qp, kp, window, qs, ks, out_I, lse_I, order_IJ, count_I = res
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    q_I, k_J, v_J, qp_I, kp_J, qs_I, ks_J = _layout(f32(q), f32(k), f32(v), qp, kp, qs, ks, cq,
-                                                    ck)
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    g = n // kh
+    q_I, k_J, kt_J, v_J, qp_I, kp_J, qs_I, ks_J = _layout(f32(q), f32(k), f32(v), qp, kp, qs, ks,
+                                                          cq, ck)
+    _, b, kh, r, h = q_I.shape
+    g = r // cq
     scale = h ** -0.5
-    do_I = _head_blocks(f32(dout_BTNH).reshape(b, t, kh, g, h), cq)
-    d_I = jnp.sum(do_I * f32(out_I), -1)  # rowsum(dO * O) = sum_j p_j dp_j: [I, B, K, G, Q]
+    do_I = _layout(f32(dout_BTNH), k, v, qp, kp, qs, ks, cq, ck)[0]
+    d_I = jnp.sum(do_I * f32(out_I), -1)  # rowsum(dO * O) = sum_j p_j dp_j: [I, B, K, R]
 
     def query_block(dkv, xs):
-        q_BKGQH, do_BKGQH, lse_BKGQ, d_BKGQ, qp_BQ, qs_BQ, order_J, count = xs
+        q_BKRH, do_BKRH, lse_BKR, d_BKR, qp_BQ, qs_BQ, order_J, count = xs
+        qt_BKHR, dot_BKHR = q_BKRH.swapaxes(-1, -2), do_BKRH.swapaxes(-1, -2)
 
         def key_block(step, carry):
-            dq, dk_J, dv_J = carry
+            dqt, dk_J, dv_J = carry
             j = order_J[step]
-            k_BKCH, v_BKCH = k_J[j], v_J[j]
-            s = _scores(q_BKGQH, k_BKCH, qp_BQ, kp_J[j], window, qs_BQ,
-                        None if ks_J is None else ks_J[j])
-            p = jnp.exp(s - lse_BKGQ[..., None])
-            dp = jnp.einsum("BKGQH,BKCH->BKGQC", do_BKGQH, v_BKCH)
-            ds = p * (dp - d_BKGQ[..., None]) * scale
-            dq = dq + jnp.einsum("BKGQC,BKCH->BKGQH", ds, k_BKCH)
-            dk_J = dk_J.at[j].add(jnp.einsum("BKGQC,BKGQH->BKCH", ds, q_BKGQH))
-            dv_J = dv_J.at[j].add(jnp.einsum("BKGQC,BKGQH->BKCH", p, do_BKGQH))
-            return dq, dk_J, dv_J
+            st = jnp.einsum("BKCH,BKHR->BKCR", k_J[j], qt_BKHR) * scale
+            mask = _pair_mask(qp_BQ, kp_J[j], window, qs_BQ, None if ks_J is None else ks_J[j],
+                              g, keys_first=True)
+            pt = jnp.exp(jnp.where(mask, st, _MASKED) - lse_BKR[:, :, None])
+            dpt = jnp.einsum("BKCH,BKHR->BKCR", v_J[j], dot_BKHR)
+            dst = pt * (dpt - d_BKR[:, :, None]) * scale
+            dqt = dqt + jnp.einsum("BKHC,BKCR->BKHR", kt_J[j], dst)
+            dk_J = dk_J.at[j].add(jnp.einsum("BKCR,BKRH->BKCH", dst, q_BKRH))
+            dv_J = dv_J.at[j].add(jnp.einsum("BKCR,BKRH->BKCH", pt, do_BKRH))
+            return dqt, dk_J, dv_J
 
-        dq, *dkv = jax.lax.fori_loop(0, count, key_block, (jnp.zeros_like(q_BKGQH), *dkv))
-        return tuple(dkv), dq
+        dqt, *dkv = jax.lax.fori_loop(0, count, key_block, (jnp.zeros_like(qt_BKHR), *dkv))
+        return tuple(dkv), dqt.swapaxes(-1, -2)
 
     (dk_J, dv_J), dq_I = jax.lax.scan(
         query_block, (jnp.zeros_like(k_J), jnp.zeros_like(v_J)),
@@ -235,11 +253,11 @@ def _blockwise_bwd(cq, ck, res, dout_BTNH):
         return _unblock(x_JBKCH[:, :, :, None], k.shape[1])
 
     # The sink is a key with value 0: dp = 0, so its score's gradient is -p_sink * D.
-    p_sink_I = jnp.exp(f32(sinks).reshape(1, 1, kh, g, 1) - lse_I)
-    dsinks = -jnp.sum(p_sink_I * d_I, axis=(0, 1, 4)).reshape(n)
-    return (_unblock(dq_I, t).astype(q.dtype), unblock_kv(dk_J).astype(k.dtype),
-            unblock_kv(dv_J).astype(v.dtype), dsinks.astype(sinks.dtype),
-            None, None, None, None, None)
+    p_sink_I = jnp.exp(f32(sinks).reshape(1, 1, kh, g, 1) - _rows_to_heads(lse_I, g))
+    dsinks = -jnp.sum(p_sink_I * _rows_to_heads(d_I, g), axis=(0, 1, 4)).reshape(kh * g)
+    return (_unblock(_rows_to_heads(dq_I, g), q.shape[1]).astype(q.dtype),
+            unblock_kv(dk_J).astype(k.dtype), unblock_kv(dv_J).astype(v.dtype),
+            dsinks.astype(sinks.dtype), None, None, None, None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
