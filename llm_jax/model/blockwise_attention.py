@@ -131,15 +131,13 @@ def _visit_lists(vis_IJ):
     return order_IJ, vis_IJ.sum(-1).astype(jnp.int32)
 
 
-def _pair_mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC, g: int, *, keys_first: bool = False):
-    """`attention_mask` of one block pair, the same for the G q heads of a kv head:
-    [B, 1, G Q, C], or [B, 1, C, G Q] with `keys_first`."""
+def _pair_mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC, *, keys_first: bool = False):
+    """`attention_mask` of one block pair shaped to broadcast against [B, K, G, Q, C] scores,
+    [B, 1, 1, Q, C], or against keys-first [B, K, C, G, Q] ones, [B, 1, C, 1, Q]. (Merging G
+    and Q into the mask's minor axis instead made XLA:CPU's fusion index it element by element,
+    several times slower.)"""
     m_BQC = _mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC)
-    b, q, c = m_BQC.shape
-    if keys_first:
-        return jnp.broadcast_to(m_BQC.swapaxes(1, 2)[:, None, :, None], (b, 1, c, g, q)).reshape(
-            b, 1, c, g * q)
-    return jnp.broadcast_to(m_BQC[:, None, None], (b, 1, g, q, c)).reshape(b, 1, g * q, c)
+    return m_BQC.swapaxes(1, 2)[:, None, :, None] if keys_first else m_BQC[:, None, None]
 
 
 def _layout(q, k, v, qp, kp, qs, ks, cq, ck):
@@ -182,9 +180,8 @@ def _forward(q, k, v, sinks, qp, kp, window, qs, ks, cq, ck):
             j = order_J[step]
             s = jnp.einsum("BKRH,BKHC->BKRC", q_BKRH, kt_J[j],
                            preferred_element_type=jnp.float32) * (h ** -0.5)
-            mask = _pair_mask(qp_BQ, kp_J[j], window, qs_BQ, None if ks_J is None else ks_J[j],
-                              g)
-            s = jnp.where(mask, s, _MASKED)
+            mask = _pair_mask(qp_BQ, kp_J[j], window, qs_BQ, None if ks_J is None else ks_J[j])
+            s = jnp.where(mask, s.reshape(b, kh, g, cq, -1), _MASKED).reshape(s.shape)
             m_new = jnp.maximum(m, s.max(-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
@@ -225,18 +222,20 @@ def _blockwise_bwd(cq, ck, res, dout_BTNH):
     d_I = jnp.sum(do_I * f32(out_I), -1)  # rowsum(dO * O) = sum_j p_j dp_j: [I, B, K, R]
 
     def query_block(dkv, xs):
-        q_BKRH, do_BKRH, lse_BKR, d_BKR, qp_BQ, qs_BQ, order_J, count = xs
+        q_BKRH, do_BKRH, lse_BKGQ, d_BKGQ, qp_BQ, qs_BQ, order_J, count = xs
         qt_BKHR, dot_BKHR = q_BKRH.swapaxes(-1, -2), do_BKRH.swapaxes(-1, -2)
 
         def key_block(step, carry):
             dqt, dk_J, dv_J = carry
             j = order_J[step]
-            st = jnp.einsum("BKCH,BKHR->BKCR", k_J[j], qt_BKHR) * scale
+            heads = lambda x: x.reshape(b, kh, ck, g, cq)  # noqa: E731  [B, K, C, G, Q]
+            st = heads(jnp.einsum("BKCH,BKHR->BKCR", k_J[j], qt_BKHR) * scale)
             mask = _pair_mask(qp_BQ, kp_J[j], window, qs_BQ, None if ks_J is None else ks_J[j],
-                              g, keys_first=True)
-            pt = jnp.exp(jnp.where(mask, st, _MASKED) - lse_BKR[:, :, None])
-            dpt = jnp.einsum("BKCH,BKHR->BKCR", v_J[j], dot_BKHR)
-            dst = pt * (dpt - d_BKR[:, :, None]) * scale
+                              keys_first=True)
+            pt = jnp.exp(jnp.where(mask, st, _MASKED) - lse_BKGQ[:, :, None])
+            dpt = heads(jnp.einsum("BKCH,BKHR->BKCR", v_J[j], dot_BKHR))
+            dst = (pt * (dpt - d_BKGQ[:, :, None]) * scale).reshape(b, kh, ck, r)
+            pt = pt.reshape(dst.shape)
             dqt = dqt + jnp.einsum("BKHC,BKCR->BKHR", kt_J[j], dst)
             dk_J = dk_J.at[j].add(jnp.einsum("BKCR,BKRH->BKCH", dst, q_BKRH))
             dv_J = dv_J.at[j].add(jnp.einsum("BKCR,BKRH->BKCH", pt, do_BKRH))
@@ -245,6 +244,7 @@ def _blockwise_bwd(cq, ck, res, dout_BTNH):
         dqt, *dkv = jax.lax.fori_loop(0, count, key_block, (jnp.zeros_like(qt_BKHR), *dkv))
         return tuple(dkv), dqt.swapaxes(-1, -2)
 
+    lse_I, d_I = _rows_to_heads(lse_I, g), _rows_to_heads(d_I, g)  # [I, B, K, G, Q]
     (dk_J, dv_J), dq_I = jax.lax.scan(
         query_block, (jnp.zeros_like(k_J), jnp.zeros_like(v_J)),
         (q_I, do_I, lse_I, d_I, qp_I, qs_I, order_IJ, count_I))
@@ -253,8 +253,8 @@ def _blockwise_bwd(cq, ck, res, dout_BTNH):
         return _unblock(x_JBKCH[:, :, :, None], k.shape[1])
 
     # The sink is a key with value 0: dp = 0, so its score's gradient is -p_sink * D.
-    p_sink_I = jnp.exp(f32(sinks).reshape(1, 1, kh, g, 1) - _rows_to_heads(lse_I, g))
-    dsinks = -jnp.sum(p_sink_I * _rows_to_heads(d_I, g), axis=(0, 1, 4)).reshape(kh * g)
+    p_sink_I = jnp.exp(f32(sinks).reshape(1, 1, kh, g, 1) - lse_I)
+    dsinks = -jnp.sum(p_sink_I * d_I, axis=(0, 1, 4)).reshape(kh * g)
     return (_unblock(_rows_to_heads(dq_I, g), q.shape[1]).astype(q.dtype),
             unblock_kv(dk_J).astype(k.dtype), unblock_kv(dv_J).astype(v.dtype),
             dsinks.astype(sinks.dtype), None, None, None, None, None)
