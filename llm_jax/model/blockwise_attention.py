@@ -28,8 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# Below this many keys the direct path (one T x S einsum) is as fast and its memory is small.
-BLOCKWISE_MIN_KEYS = 1024
+# Below this many keys (one or two blocks) the direct path (one T x S einsum) is as fast; from
+# here on the blockwise one is faster, causal or not (docs/benchmarks.md).
+BLOCKWISE_MIN_KEYS = 256
 # ... and above this many bytes of float32 scores (B N T S x 4) the direct path is refused.
 BLOCKWISE_SCORE_BYTES = 256 * 2**20
 DEFAULT_BLOCK = 128  # keys per key block (C)

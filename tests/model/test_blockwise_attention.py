@@ -267,7 +267,8 @@ def test_memory_grows_linearly_with_length():
 
 
 def test_attention_layer_chooses_blockwise_for_long_sequences_with_same_output():
-    assert not use_blockwise(8, 256, 256, 4)
+    assert not use_blockwise(8, 128, 128, 4)
+    assert use_blockwise(8, 256, 256, 4)
     assert use_blockwise(1, 8192, 8192, 4)
     assert not use_blockwise(8, 1, 8192, 4)  # one decode step stays direct
     cfg = ModelConfig(num_hidden_layers=1, num_experts=4, vocab_size=64, hidden_size=32,
@@ -276,7 +277,7 @@ def test_attention_layer_chooses_blockwise_for_long_sequences_with_same_output()
     from flax import nnx
 
     layer = Attention(cfg, rngs=nnx.Rngs(params=0))
-    t = 1024
+    t = 512
     assert use_blockwise(1, t, t, cfg.num_attention_heads)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, t, 32)), jnp.float32)
     pos = jnp.arange(t)[None]
