@@ -137,7 +137,9 @@ def layers(cfg: ModelConfig, t: int, impls: dict[str, Callable], repeats: int
     fns, temps = {}, {}
     for w in (WINDOW, 0):
         for name, impl in impls.items():
-            attn = lambda q, k, v, s, pos, impl=impl, w=w: impl(q, k, v, s, pos, pos, w)  # noqa: E731
+            def attn(q, k, v, s, pos, impl=impl, w=w):
+                return impl(q, k, v, s, pos, pos, w)
+
             fns[name, w], temps[name, w] = _compiled(_fwd_bwd(attn), *args)
     return _by_window(fns, temps, repeats)
 

@@ -77,6 +77,14 @@ def _unblock(x_JBKGCH, t: int) -> jax.Array:
     return x_JBKGCH.transpose(1, 0, 4, 2, 3, 5).reshape(b, j * c, kh * g, h)[:, :t]
 
 
+def _query_segments(qs_BT, ks_BS):
+    """The query segment ids `attention_mask` uses: none without key segment ids, the keys'
+    (self-attention) when only those are given."""
+    if ks_BS is None:
+        return None
+    return ks_BS if qs_BT is None else qs_BT
+
+
 def _bounds(pos_BT, seg_BT, c: int):
     """Per block [J, B]: whether it has a valid row, and the min/max of the valid rows' positions
     and segment ids. Valid = a real row (not block padding) of a nonzero segment."""
@@ -105,10 +113,7 @@ def block_visibility(
     """Boolean [I, J]: False only where no query of block i can see any key of block j in any
     batch row (`attention_mask`'s rule applied to each block's bounds). These are the pairs
     `blockwise_attend` visits; its `visited_pairs` is their count."""
-    if kv_segment_ids_BS is None:
-        q_segment_ids_BT = None  # attention_mask ignores query segments without key segments
-    elif q_segment_ids_BT is None:
-        q_segment_ids_BT = kv_segment_ids_BS
+    q_segment_ids_BT = _query_segments(q_segment_ids_BT, kv_segment_ids_BS)
     q_any, (qp_lo, qp_hi), qs = _bounds(q_positions_BT, q_segment_ids_BT, q_block)
     k_any, (kp_lo, kp_hi), ks = _bounds(kv_positions_BS, kv_segment_ids_BS, block)
     q = lambda x: x[:, None]  # noqa: E731  [I, B] -> [I, 1, B]
@@ -134,27 +139,31 @@ def _visit_lists(vis_IJ):
 
 def _pair_mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC, *, keys_first: bool = False):
     """`attention_mask` of one block pair shaped to broadcast against [B, K, G, Q, C] scores,
-    [B, 1, 1, Q, C], or against keys-first [B, K, C, G, Q] ones, [B, 1, C, 1, Q]. (Merging G
-    and Q into the mask's minor axis instead made XLA:CPU's fusion index it element by element,
-    several times slower.)"""
+    [B, 1, 1, Q, C], or against keys-first [B, K, C, G, Q] ones, [B, 1, C, 1, Q]. (Broadcast
+    into a merged G Q minor axis, XLA:CPU's fusion computes the mask's index element by element
+    and does not vectorise.)"""
     m_BQC = _mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC)
     return m_BQC.swapaxes(1, 2)[:, None, :, None] if keys_first else m_BQC[:, None, None]
 
 
+def _query_blocks(x_BTNH, kh: int, cq: int) -> jax.Array:
+    """[B, T, N, H] -> [I, B, K, R, H], R = G Q rows per (query block, kv head)."""
+    b, t, n, h = x_BTNH.shape
+    x = _head_blocks(x_BTNH.reshape(b, t, kh, n // kh, h), cq)
+    return x.reshape(*x.shape[:3], -1, h)
+
+
 def _layout(q, k, v, qp, kp, qs, ks, cq, ck):
-    """Blocked operands, R = G Q rows per (query block, kv head): q [I, B, K, R, H]; k, v
-    [J, B, K, C, H] and k transposed [J, B, K, H, C], so that every block matmul is a plain
-    (M, K) x (K, N) product (XLA:CPU transposes the other forms inside the loop); positions
-    [I, B, Q] and [J, B, C] (padding queries see nothing, padding keys are seen by nothing);
-    segment ids with padding 0 (or None)."""
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    q_I = _head_blocks(q.reshape(b, t, kh, n // kh, h), cq)
-    q_I = q_I.reshape(*q_I.shape[:3], -1, h)
+    """Blocked operands: q [I, B, K, R, H]; k, v [J, B, K, C, H] and k transposed
+    [J, B, K, H, C], so that every block matmul is a plain (M, K) x (K, N) product (XLA:CPU
+    transposes an operand of the other forms inside the loop); positions [I, B, Q] and [J, B, C]
+    (padding queries see nothing, padding keys are seen by nothing); segment ids with padding 0
+    (or None)."""
     k_J, v_J = (_head_blocks(x[:, :, :, None], ck)[:, :, :, 0] for x in (k, v))
     blocks = lambda x, c, pad: None if x is None else _blocks(x, c, pad)  # noqa: E731
-    return (q_I, k_J, k_J.swapaxes(-1, -2), v_J, blocks(qp.astype(jnp.int32), cq, _INT_MIN),
-            blocks(kp.astype(jnp.int32), ck, _INT_MAX), blocks(qs, cq, 0), blocks(ks, ck, 0))
+    return (_query_blocks(q, k.shape[2], cq), k_J, k_J.swapaxes(-1, -2), v_J,
+            blocks(qp.astype(jnp.int32), cq, _INT_MIN), blocks(kp.astype(jnp.int32), ck, _INT_MAX),
+            blocks(qs, cq, 0), blocks(ks, ck, 0))
 
 
 def _rows_to_heads(x_IBKR, g: int) -> jax.Array:
@@ -219,7 +228,7 @@ def _blockwise_bwd(cq, ck, res, dout_BTNH):
     _, b, kh, r, h = q_I.shape
     g = r // cq
     scale = h ** -0.5
-    do_I = _layout(f32(dout_BTNH), k, v, qp, kp, qs, ks, cq, ck)[0]
+    do_I = _query_blocks(f32(dout_BTNH), kh, cq)
     d_I = jnp.sum(do_I * f32(out_I), -1)  # rowsum(dO * O) = sum_j p_j dp_j: [I, B, K, R]
 
     def query_block(dkv, xs):
@@ -285,10 +294,7 @@ def blockwise_attend(
         if size < 1:
             raise ValueError(f"blockwise_attend {name}={size} is invalid: expected a positive "
                              "integer")
-    if kv_segment_ids_BS is None:
-        q_segment_ids_BT = None  # attention_mask's convention: no key segments, no segments
-    elif q_segment_ids_BT is None:
-        q_segment_ids_BT = kv_segment_ids_BS  # ... and key segments alone: self-attention
+    q_segment_ids_BT = _query_segments(q_segment_ids_BT, kv_segment_ids_BS)
     cq, ck = min(q_block, q_BTNH.shape[1]), min(block, k_BSKH.shape[1])
     return _blockwise(q_BTNH, k_BSKH, v_BSKH, sinks_N, q_positions_BT, kv_positions_BS,
                       jnp.asarray(window, jnp.int32), q_segment_ids_BT, kv_segment_ids_BS, cq, ck)
