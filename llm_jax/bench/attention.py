@@ -2,7 +2,8 @@
 one layer with and without a sliding window, and a 2-layer model with and without one.
 
     python -m llm_jax.bench attention [--repeats 3] [--parts sweep,layers,model]
-        [--seq_lens 512,1024,2048,4096,8192] [--seq_len 8192] [--window 0] [--baseline FILE]
+        [--seq_lens 512,1024,2048,4096,8192] [--block 64] [--q_block 128] [--window 0]
+        [--seq_len 8192] [--baseline FILE]
 
 Batch 1, the tiny config's heads (N 4 q heads, K 2 kv heads, H 64), float32. Time is the median
 of `repeats` calls of a jitted gradient, every contender of a part interleaved; memory is XLA's
@@ -39,7 +40,8 @@ from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.config import ModelConfig
 from llm_jax.model import attention as attention_module
 from llm_jax.model.attention import attend, attention_mask
-from llm_jax.model.blockwise_attention import DEFAULT_BLOCK, blockwise_attend, use_blockwise
+from llm_jax.model.blockwise_attention import (DEFAULT_BLOCK, DEFAULT_Q_BLOCK, blockwise_attend,
+                                               use_blockwise)
 from llm_jax.model.transformer import Transformer
 
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)
@@ -94,12 +96,12 @@ def _timed(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, dict[st
             for name, ts in alternate(fns, repeats=repeats).items()}
 
 
-def sweep(cfg: ModelConfig, seq_lens, block: int, window: int, max_direct_len: int,
-          repeats: int) -> list[dict[str, Any]]:
+def sweep(cfg: ModelConfig, seq_lens, block: int, q_block: int, window: int,
+          max_direct_len: int, repeats: int) -> list[dict[str, Any]]:
     paths = {"direct": lambda q, k, v, s, pos: attend(q, k, v, s,
                                                        attention_mask(pos, pos, window)),
              "blockwise": lambda q, k, v, s, pos: blockwise_attend(q, k, v, s, pos, pos, window,
-                                                                  block=block, q_block=block)}
+                                                                  block=block, q_block=q_block)}
     rows = []
     for t in seq_lens:
         args = _inputs(cfg, t)
@@ -165,23 +167,26 @@ def model(cfg: ModelConfig, t: int, impls: dict[str, Callable], repeats: int
 
 
 def run(*, repeats: int = 3, quick: bool = False, seq_lens: tuple[int, ...] | None = None,
-        block: int = DEFAULT_BLOCK, window: int = 0, max_direct_len: int = 8192,
+        block: int = DEFAULT_BLOCK, q_block: int = DEFAULT_Q_BLOCK, window: int = 0,
+        max_direct_len: int = 8192,
         seq_len: int = 8192, parts: tuple[str, ...] = PARTS,
         baseline: str | None = None) -> dict[str, Any]:
     cfg = ModelConfig()
     if quick:
-        seq_lens, block, repeats, seq_len = seq_lens or (64, 128), 32, 1, 128
+        seq_lens, block, q_block, repeats, seq_len = seq_lens or (64, 128), 32, 32, 1, 128
         cfg = ModelConfig(vocab_size=256, num_experts=4, hidden_size=32, intermediate_size=32)
     impls = {"current": blockwise_attend}
     if baseline:
         impls["baseline"] = load_baseline(baseline)
     result: dict[str, Any] = {
         "benchmark": "attention", "machine": machine(), "repeats": repeats, "block": block,
+        "q_block": q_block,
         "window": window, "seq_len": seq_len, "baseline": baseline,
         "heads": {"q": cfg.num_attention_heads, "kv": cfg.num_key_value_heads,
                   "head_dim": cfg.head_dim}}
     if "sweep" in parts:
-        result["rows"] = sweep(cfg, seq_lens or SEQ_LENS, block, window, max_direct_len, repeats)
+        result["rows"] = sweep(cfg, seq_lens or SEQ_LENS, block, q_block, window, max_direct_len,
+                               repeats)
     if "layers" in parts:
         result["layers"] = layers(cfg, seq_len, impls, repeats)
     if "model" in parts:
@@ -203,8 +208,8 @@ def format_result(r: dict[str, Any]) -> str:
         rows = [[row["seq_len"], *cols(row.get("direct")), *cols(row.get("blockwise")),
                  f"{row['direct']['time_s'] / row['blockwise']['time_s']:.2f}x"
                  if "direct" in row else "-", row["auto"]] for row in r["rows"]]
-        out.append(f"attention fwd+bwd, batch 1, heads {r['heads']}, block {r['block']}, "
-                   f"window {r['window']}\n"
+        out.append(f"attention fwd+bwd, batch 1, heads {r['heads']}, blocks {r['q_block']} "
+                   f"queries x {r['block']} keys, window {r['window']}\n"
                    + table(["T", "direct ms", "direct MiB", "blockwise ms", "blockwise MiB",
                             "blockwise speed-up", "auto"], rows))
     for part, what in (("layers", "one attention fwd+bwd"),
@@ -231,7 +236,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which of sweep,layers,model to run")
     p.add_argument("--seq_lens", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="sweep: the lengths")
-    p.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="sweep: the block size")
+    p.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="sweep: keys per block")
+    p.add_argument("--q_block", type=int, default=DEFAULT_Q_BLOCK,
+                   help="sweep: queries per block")
     p.add_argument("--window", type=int, default=0, help="sweep: the window")
     p.add_argument("--max_direct_len", type=int, default=8192,
                    help="sweep: skip the direct path above this T (its memory grows as T^2)")
@@ -245,5 +252,5 @@ def from_args(a: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise SystemExit(f"--parts {sorted(bad)} is invalid: expected some of {PARTS}")
     return run(repeats=a.repeats, quick=a.quick, seq_lens=a.seq_lens, block=a.block,
-               window=a.window, max_direct_len=a.max_direct_len, seq_len=a.seq_len,
-               parts=a.parts, baseline=a.baseline)
+               q_block=a.q_block, window=a.window, max_direct_len=a.max_direct_len,
+               seq_len=a.seq_len, parts=a.parts, baseline=a.baseline)

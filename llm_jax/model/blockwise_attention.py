@@ -33,7 +33,10 @@ import jax.numpy as jnp
 BLOCKWISE_MIN_KEYS = 256
 # ... and above this many bytes of float32 scores (B N T S x 4) the direct path is refused.
 BLOCKWISE_SCORE_BYTES = 256 * 2**20
-DEFAULT_BLOCK = 128  # keys per key block (C)
+# Block sizes: large enough that each block matmul runs near the machine's matmul rate, small
+# enough that a window's edges and the causal diagonal waste few masked scores and that one
+# block pair's [B, K, G Q, C] scores stay in cache (measured on XLA:CPU, docs/benchmarks.md).
+DEFAULT_BLOCK = 64  # keys per key block (C)
 DEFAULT_Q_BLOCK = 128  # queries per query block (Q)
 
 _MASKED = -1e30  # as attention._MASKED: finite, a fully masked block adds exp(-1e30 - m) = 0
