@@ -41,7 +41,7 @@ from flax import nnx
 
 from llm_jax.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.config import RMS_NORM_EPS, SWIGLU_ALPHA, ModelConfig
-from llm_jax.json_fields import MAX_SIZE, Fields, read_json_object
+from llm_jax.json_fields import Fields, read_json_object
 from llm_jax.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 
 LLM_JAX_CONFIG = "config.json"
@@ -219,7 +219,8 @@ def hf_config_to_model_config(hf: Mapping[str, Any], source: str = "Hugging Face
         if "attention_factor" in rope and not math.isclose(
                 rope.float("attention_factor"), conc, rel_tol=1e-6):
             raise _hf_unsupported(f, "rope_parameters.attention_factor",
-                                  rope.raw("attention_factor"), f"null or 0.1 ln(factor) + 1 = {conc}")
+                                  rope.raw("attention_factor"),
+                                  f"null or 0.1 ln(factor) + 1 = {conc}")
         l0 = (rope.int("original_max_position_embeddings")
               if "original_max_position_embeddings" in rope else f.int("max_position_embeddings"))
         arch.update(rope_scaling_factor=factor,
@@ -547,7 +548,7 @@ def _is_hf(root: Path) -> bool:
     cfg = root / "config.json"
     if not cfg.is_file() or not ((root / HF_WEIGHTS).is_file() or (root / HF_INDEX).is_file()):
         return False
-    d = read_json_object(cfg)  # any HF model type; hf_config_to_model_config refuses non-gpt-oss ones
+    d = read_json_object(cfg)  # any HF model type; hf_config_to_model_config refuses others
     return "model_type" in d or "num_local_experts" in d
 
 

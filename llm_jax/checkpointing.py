@@ -38,7 +38,8 @@ from absl import logging
 
 from llm_jax import distributed
 from llm_jax.config import EXECUTION_FIELDS, ModelConfig
-from llm_jax.restore_check import CORRUPT, RESTORED, RestoreError, incompatibility, judge, stop_error
+from llm_jax.restore_check import (CORRUPT, RESTORED, RestoreError, incompatibility, judge,
+                                   stop_error)
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -345,8 +346,8 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None):
         """State restored onto the shardings carried by `abstract_state`; data_iter in place.
         Raises RestoreError, before reading any array, if the saved trees do not fit."""
-        targets = {"params": abstract_state.params,
-                   "opt_state": {"step": abstract_state.step, "opt_state": abstract_state.opt_state}}
+        targets = {"params": abstract_state.params, "opt_state": {
+            "step": abstract_state.step, "opt_state": abstract_state.opt_state}}
         if (error := incompatibility(step, self.directory, targets)) is not None:
             raise error
         items: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Typed reads of an untrusted JSON object (a checkpoint's config.json), each error naming the field.
+"""Typed reads of an untrusted JSON object (a checkpoint's config.json); errors name the field.
 
 `int("big")` says "invalid literal for int()" without saying which field; a vocab_size of 10^12
 would be taken at its word. These readers check the type (a bool is no number, a float no int),

@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -46,12 +47,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and 
 
 
 def ensure_writable(workdir: str) -> None:
+    """Creates the workdir and writes a file in it (a name of its own per process: every
+    process of a multi-process run probes the same folder at once)."""
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
-        with open(probe, "w") as f:
+        with tempfile.NamedTemporaryFile("w", dir=workdir, prefix=".write_test.") as f:
             f.write("ok")
-        os.remove(probe)
     except OSError as e:
         raise ValueError(f"--workdir={workdir!r} cannot be written: {e.strerror}") from e
 

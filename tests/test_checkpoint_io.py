@@ -223,16 +223,20 @@ def test_architecture_fields_cannot_be_overridden_at_load(hf_dir):
         load_pretrained(hf_dir, num_hidden_layers=3)
 
 
-def test_malformed_mxfp4_scales_are_named(tmp_path, model):
+@pytest.mark.parametrize("blocks_dtype, groups, want", [
+    (np.uint8, 3, r"'block.0.mlp.mlp1_weight.scales'.*\(4, 64, 3\)"),  # G should be 64 / 32 = 2
+    (np.float32, 2, r"'block.0.mlp.mlp1_weight.blocks'.*float32, expected uint8"),
+])
+def test_malformed_mxfp4_is_named(blocks_dtype, groups, want, tmp_path, model):
     cio.save_openai(model, tmp_path)
     name = "block.0.mlp.mlp1_weight"
 
     def edit(t):
         w = t.pop(name)
-        t[name + ".blocks"] = np.zeros((*w.shape[:2], 2, 16), np.uint8)
-        t[name + ".scales"] = np.zeros((*w.shape[:2], 3), np.uint8)  # G should be 64 / 32 = 2
+        t[name + ".blocks"] = np.zeros((*w.shape[:2], 2, 16), blocks_dtype)
+        t[name + ".scales"] = np.zeros((*w.shape[:2], groups), np.uint8)
     _rewrite(tmp_path / "model.safetensors", edit)
-    with pytest.raises(ValueError, match=r"'block.0.mlp.mlp1_weight.scales'.*\(4, 64, 3\)"):
+    with pytest.raises(ValueError, match=want):
         load_pretrained(tmp_path)
 
 
@@ -476,17 +480,3 @@ def test_hostile_openai_and_llm_jax_configs_are_refused_by_name(model, tmp_path)
         with pytest.raises(ValueError, match=want) as e:
             load_pretrained(tmp_path / "lj")
         assert str(path) in str(e.value)
-
-
-def test_mxfp4_blocks_that_are_not_uint8_are_named(tmp_path, model):
-    cio.save_openai(model, tmp_path)
-    name = "block.0.mlp.mlp1_weight"
-
-    def edit(t):
-        w = t.pop(name)
-        t[name + ".blocks"] = np.zeros((*w.shape[:2], 2, 16), np.float32)
-        t[name + ".scales"] = np.zeros((*w.shape[:2], 2), np.uint8)
-    _rewrite(tmp_path / "model.safetensors", edit)
-    with pytest.raises(ValueError, match=r"'block.0.mlp.mlp1_weight.blocks'.*float32, expected "
-                                         r"uint8"):
-        load_pretrained(tmp_path)

@@ -35,7 +35,6 @@ class Job:
 
     def __init__(self, workdir: Path, corpus_dir: str, name: str):
         args = {**OVERRIDES, "data.files": os.path.join(corpus_dir, "*"), "mesh.dcn_data": 2,
-                "data.data_dir": workdir.parent / "tfds",  # built once for all the runs
                 "train.num_steps": NUM_STEPS, "train.log_every_steps": LOG_EVERY,
                 "checkpoint.every_steps": NUM_STEPS}
         cmd = ([sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
