@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -39,6 +40,7 @@ from llm_jax.training.preemption import Interrupted, StopRequest
 from llm_jax.training.run_config import model_config, validate_run_config
 from llm_jax.parallel.sharding import mesh_from_config
 from llm_jax.training.step import Steps, compile_steps
+from llm_jax.training.workdir_lock import hold_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file, e.g. configs/tiny.py.",
                                           lock_config=True)
@@ -47,12 +49,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and 
 
 
 def ensure_writable(workdir: str) -> None:
+    """Creates the workdir and writes a file in it (a name of its own per process: every
+    process of a multi-process run probes the same folder at once)."""
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
-        with open(probe, "w") as f:
+        with tempfile.NamedTemporaryFile("w", dir=workdir, prefix=".write_test.") as f:
             f.write("ok")
-        os.remove(probe)
     except OSError as e:
         raise ValueError(f"--workdir={workdir!r} cannot be written: {e.strerror}") from e
 
@@ -91,8 +93,11 @@ def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
 
 def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Runs (or resumes) training; returns the last logged metrics. Raises `Interrupted` after
-    saving when a stop signal arrives, FloatingPointError on a non-finite step."""
-    with StopRequest() as stop:
+    saving when a stop signal arrives, FloatingPointError on a non-finite step, WorkdirInUse
+    if another run holds the workdir."""
+    validate_run_config(cfg)  # before the workdir is touched
+    ensure_writable(workdir)
+    with StopRequest() as stop, hold_workdir(workdir):
         return _train(cfg, workdir, stop)
 
 
@@ -101,10 +106,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
 
     from llm_jax.data import make_datasets
 
-    validate_run_config(cfg)
     mcfg = model_config(cfg)
     tc = cfg.train
-    ensure_writable(workdir)
     is_main = jax.process_index() == 0
     mesh = mesh_from_config(cfg.mesh)
     logging.info("mesh %s over %d devices in %d process(es); host malloc: %s", dict(mesh.shape),
@@ -112,12 +115,14 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     ckpt = Checkpointer(workdir, max_to_keep=cfg.checkpoint.max_to_keep,
                         async_save=cfg.checkpoint.async_save, cleanup_tmp=True,
                         checksums=cfg.checkpoint.checksums)
-    # The newest checkpoint that passes its checksums and whose config reads; the others are
-    # reported and moved to WORKDIR/corrupt_checkpoints. Refuse a changed model before any
+    # The newest checkpoint that passes its checksums and whose config reads; the corrupt ones
+    # are reported and moved to WORKDIR/corrupt_checkpoints. Refuse a changed model before any
     # expensive work.
     latest, saved_config = ckpt.first_restorable(ckpt.restore_config, move_bad=True)
     if latest is not None:
         check_same_model(saved_config, mcfg, ckpt.directory)
+    else:
+        ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
 
     # Process 0 builds the tokenizer (and a local TFDS build) in the workdir; the others read them.
     if not is_main:
@@ -135,17 +140,18 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
         raise Interrupted(f"stopped by signal {stop.signum} before training", -1, stop.signum)
     steps = compile_steps(mcfg, tc, mesh, cfg.seed)
     progress: dict[str, Any] = {}
+    fresh_data = data.train_iter.get_state()  # a failed restore may have moved the iterator
     if latest is not None:
-        latest, state = ckpt.first_restorable(
-            lambda s: ckpt.restore(s, steps.abstract_state, data.train_iter), move_bad=True)
-        if latest is None:
-            raise ValueError(f"no checkpoint in {ckpt.directory} restores "
-                             f"({'; '.join(f'step {s}: {p}' for s, p in ckpt.problems.items())})"
-                             "; they were moved aside: rerun to start from scratch")
-        logging.info("resumed from step %d in %s", latest, ckpt.directory)
-        progress = ckpt.restore_progress(latest)
-    else:
+        latest, restored = ckpt.first_restorable(
+            lambda s: (ckpt.restore(s, steps.abstract_state, data.train_iter),
+                       ckpt.restore_progress(s)), move_bad=True)
+    if latest is None:
+        ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
+        data.train_iter.set_state(fresh_data)
         state = steps.init()
+    else:
+        state, progress = restored
+        logging.info("resumed from step %d in %s", latest, ckpt.directory)
     start = int(jax.device_get(state.step))
     last_saved = start
     skipped = int(progress.get("skipped_updates", 0))
@@ -231,6 +237,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
                                  ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_bpb")
                                  if k in record}, refresh=False)
             bar.update(1)
+            ckpt.poll()
             if done % cfg.checkpoint.every_steps == 0 or done == tc.num_steps:
                 check_pending()
                 save(done)

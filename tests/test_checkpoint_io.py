@@ -223,16 +223,20 @@ def test_architecture_fields_cannot_be_overridden_at_load(hf_dir):
         load_pretrained(hf_dir, num_hidden_layers=3)
 
 
-def test_malformed_mxfp4_scales_are_named(tmp_path, model):
+@pytest.mark.parametrize("blocks_dtype, groups, want", [
+    (np.uint8, 3, r"'block.0.mlp.mlp1_weight.scales'.*\(4, 64, 3\)"),  # G should be 64 / 32 = 2
+    (np.float32, 2, r"'block.0.mlp.mlp1_weight.blocks'.*float32, expected uint8"),
+])
+def test_malformed_mxfp4_is_named(blocks_dtype, groups, want, tmp_path, model):
     cio.save_openai(model, tmp_path)
     name = "block.0.mlp.mlp1_weight"
 
     def edit(t):
         w = t.pop(name)
-        t[name + ".blocks"] = np.zeros((*w.shape[:2], 2, 16), np.uint8)
-        t[name + ".scales"] = np.zeros((*w.shape[:2], 3), np.uint8)  # G should be 64 / 32 = 2
+        t[name + ".blocks"] = np.zeros((*w.shape[:2], 2, 16), blocks_dtype)
+        t[name + ".scales"] = np.zeros((*w.shape[:2], groups), np.uint8)
     _rewrite(tmp_path / "model.safetensors", edit)
-    with pytest.raises(ValueError, match=r"'block.0.mlp.mlp1_weight.scales'.*\(4, 64, 3\)"):
+    with pytest.raises(ValueError, match=want):
         load_pretrained(tmp_path)
 
 
@@ -308,3 +312,171 @@ def test_other_hf_model_types_are_refused_by_name(hf_dir):
     (hf_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="model_type='llama'"):
         load_pretrained(hf_dir)
+
+
+# ---------------------------------------------------------------------- hostile files (issue 16)
+def _raw(path: Path) -> tuple[dict, bytes]:
+    """(header, data) of a safetensors file, as written."""
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + n]), blob[8 + n:]
+
+
+def _write_raw(path: Path, header, data: bytes, *, length: int | None = None) -> None:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes((len(text) if length is None else length).to_bytes(8, "little") + text + data)
+
+
+def _edit_header(edit):
+    def apply(root: Path) -> Path:
+        path = root / cio.HF_WEIGHTS
+        header, data = _raw(path)
+        out = edit(header, data)
+        _write_raw(path, *(out if isinstance(out, tuple) else (header, data)))
+        return path
+    return apply
+
+
+def _edit_config(edit):
+    def apply(root: Path) -> Path:
+        path = root / "config.json"
+        cfg = json.loads(path.read_text())
+        out = edit(cfg)
+        path.write_text(json.dumps(cfg if out is None else out))
+        return path
+    return apply
+
+
+def _first(header) -> str:
+    return sorted(k for k in header if k != "__metadata__")[0]
+
+
+EMBED = "model.embed_tokens.weight"
+HOSTILE = {  # name: (edit of an HF dir -> the file it broke, what the error must say)
+    "entry without dtype": (_edit_header(lambda h, d: h[EMBED].pop("dtype")),
+                            f"tensor '{EMBED}' in .*: header entry has no 'dtype'"),
+    "header is a JSON list": (_edit_header(lambda h, d: ([h], d)),
+                              "header is a JSON list, expected an object"),
+    "unknown dtype": (_edit_header(lambda h, d: h[EMBED].update(dtype="F7")),
+                      "dtype 'F7' is not one llm_jax reads"),
+    "shape not a list": (_edit_header(lambda h, d: h[EMBED].update(shape="128x64")),
+                         r"shape '128x64' is invalid: expected a list of integers >= 0"),
+    "negative dim": (_edit_header(lambda h, d: h[EMBED].update(shape=[-128, -64])),
+                     r"shape \[-128, -64\] is invalid"),
+    "bool dim": (_edit_header(lambda h, d: h[EMBED].update(shape=[True, 64])),
+                 r"shape \[True, 64\] is invalid"),
+    "offsets not a pair": (_edit_header(lambda h, d: h[EMBED].update(data_offsets=[0])),
+                           r"data_offsets \[0\] is invalid: expected \[begin, end\]"),
+    "offsets past the file": (_edit_header(
+        lambda h, d: h[EMBED].update(data_offsets=[len(d), len(d) + 128 * 64 * 4])),
+        "outside the file's .* bytes of data"),
+    "offsets inconsistent with dtype x shape": (_edit_header(
+        lambda h, d: h[EMBED].update(shape=[128, 32])), "needs 16384"),
+    "overlapping tensors": (_edit_header(lambda h, d: h[_first(h)].update(
+        data_offsets=h[EMBED]["data_offsets"], shape=h[EMBED]["shape"], dtype="F32")),
+        "overlap"),
+    "header length past the file": (lambda root: (_write_raw(
+        root / cio.HF_WEIGHTS, *_raw(root / cio.HF_WEIGHTS), length=2**40),
+        root / cio.HF_WEIGHTS)[1], "header length 1099511627776 is invalid"),
+    "shorter than 8 bytes": (lambda root: ((root / cio.HF_WEIGHTS).write_bytes(b"\x01\x02"),
+                                           root / cio.HF_WEIGHTS)[1], "shorter than the 8-byte"),
+    "header not JSON": (_edit_header(lambda h, d: (b"{not json" + b" " * 40, d)),
+                        "header is not JSON"),
+    "duplicate tensor name": (_edit_header(lambda h, d: (json.dumps(h).replace(
+        "{", '{"%s": %s, ' % (EMBED, json.dumps(h[EMBED])), 1).encode(), d)),
+        f"key '{EMBED}' appears twice"),
+    "metadata not strings": (_edit_header(lambda h, d: h.update(__metadata__={"x": 1})),
+                             "__metadata__ .* expected an object of strings"),
+    "truncated data": (_edit_header(lambda h, d: (h, d[:-100])), "outside the file's|tile"),
+    "integer weights": (_edit_header(lambda h, d: h[EMBED].update(dtype="I32")),
+                        f"'{EMBED}' .* has dtype int32, expected a floating-point dtype"),
+    "10^9 experts in config.json": (_edit_config(
+        lambda c: c.update(num_local_experts=10**9)),
+        r"'model.layers.0.mlp.router.weight' .* shape \(4, 64\), expected \(1000000000, 64\) "
+        r"from .*config.json \(axis 0 = num_local_experts = 1000000000\)"),
+    "vocab_size 'big'": (_edit_config(lambda c: c.update(vocab_size="big")),
+                         r"field vocab_size='big' is invalid: expected an integer in \[1, "),
+    "hidden_size true": (_edit_config(lambda c: c.update(hidden_size=True)),
+                         "field hidden_size=True is invalid"),
+    "zero layers": (_edit_config(lambda c: c.update(num_hidden_layers=0)),
+                    "field num_hidden_layers=0 is invalid"),
+    "10^12 layers": (_edit_config(lambda c: c.update(num_hidden_layers=10**12)),
+                     "field num_hidden_layers=1000000000000 is invalid"),
+    "one layer too many": (_edit_config(lambda c: c.update(num_hidden_layers=3, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"])),
+                           r"missing tensor 'model.layers.2\..*layer 2 of num_hidden_layers=3"),
+    "one layer too few": (_edit_config(lambda c: c.update(num_hidden_layers=1, layer_types=[
+        "sliding_attention"])), r"tensor\(s\) that .*config.json does not imply"),
+    "rope_parameters a string": (_edit_config(lambda c: c.update(rope_parameters="yarn")),
+                                 "field rope_parameters='yarn' is invalid: expected a JSON obj"),
+    "rope factor NaN": (_edit_config(lambda c: c["rope_parameters"].update(factor=float("nan"),
+                                                                            rope_type="yarn")),
+                        "factor=nan is invalid: expected a finite number"),
+    "config.json a list": (_edit_config(lambda c: [c]), "holds a JSON list: expected an object"),
+    "layer_types a number": (_edit_config(lambda c: c.update(layer_types=5)),
+                             "field layer_types=5 is invalid: expected a list of strings"),
+    "quantization_config a list": (_edit_config(lambda c: c.update(quantization_config=[])),
+                                   r"field quantization_config=\[\] is invalid"),
+    "negative swiglu_limit": (_edit_config(lambda c: c.update(swiglu_limit=-1)),
+                              "field swiglu_limit=-1 is invalid: expected a number > 0.0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_hf_directory_is_refused_naming_file_and_field(case, model, tmp_path):
+    import tracemalloc
+
+    root = cio.save_hf(model, tmp_path / "hf")
+    edit, want = HOSTILE[case]
+    broken = edit(root)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=want) as e:
+            load_pretrained(root)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(broken) in str(e.value)
+    assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB allocated before refusing"
+
+
+def _sharded(model, root: Path) -> Path:
+    return cio.save_hf(model, root, max_shard_bytes=20_000)
+
+
+@pytest.mark.parametrize("edit, want", [
+    (lambda m: m.update(weight_map={k: "../" + v for k, v in m["weight_map"].items()}),
+     r"weight_map\[.*\] = '\.\./model-00001.* is invalid: expected the file name"),
+    (lambda m: m.update(weight_map=["model-00001-of-00009.safetensors"]),
+     "field weight_map=.* is invalid: expected a JSON object"),
+    (lambda m: m["weight_map"].update({EMBED: sorted(set(m["weight_map"].values()))[-1]}),
+     rf"puts tensor '{EMBED}' in model-\d+-of-\d+.safetensors, but "),
+])
+def test_hostile_shard_index_is_refused_by_name(edit, want, model, tmp_path):
+    root = _sharded(model, tmp_path / "hf")
+    index = json.loads((root / cio.HF_INDEX).read_text())
+    edit(index)
+    (root / cio.HF_INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=want) as e:
+        load_pretrained(root)
+    assert str(root / cio.HF_INDEX) in str(e.value)
+
+
+def test_hostile_openai_and_llm_jax_configs_are_refused_by_name(model, tmp_path):
+    cio.save_openai(model, tmp_path / "oa" / "original")
+    path = tmp_path / "oa" / "original" / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "num_experts": "8"}))
+    with pytest.raises(ValueError, match=f"{path}: field num_experts='8' is invalid"):
+        load_pretrained(tmp_path / "oa")
+    cio.save_llm_jax(model, tmp_path / "lj")
+    path = tmp_path / "lj" / cio.LLM_JAX_CONFIG
+    meta = json.loads(path.read_text())
+    for model_field, want in [({**meta["model"], "vocab_size": -1}, "field vocab_size=-1"),
+                              ({**meta["model"], "num_hidden_layers": 10**6},
+                               "num_hidden_layers=1000000, but the stacked layer tensors"),
+                              ([1], "field model=.* expected a JSON object")]:
+        path.write_text(json.dumps({**meta, "model": model_field}))
+        with pytest.raises(ValueError, match=want) as e:
+            load_pretrained(tmp_path / "lj")
+        assert str(path) in str(e.value)

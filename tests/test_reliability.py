@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from llm_jax.training import step as train_step
 from llm_jax.training.checkpointing import MANIFEST, Checkpointer, restore_params, tmp_leftovers
+from llm_jax.training.restore_check import RestoreError
 from llm_jax.config import ModelConfig
 from llm_jax.training.run_config import default_run_config, model_config, validate_run_config
 from llm_jax.parallel.sharding import make_mesh
@@ -260,6 +262,25 @@ def _small_cfg(corpus_dir: str, num_steps: int = 8, **train) -> ml_collections.C
     return cfg
 
 
+@pytest.fixture(scope="module")
+def small_run(corpus_dir, tmp_path_factory) -> Path:
+    """8 steps of the small model: checkpoints 4 and 8, each with its manifest. Copy it."""
+    workdir = tmp_path_factory.mktemp("small") / "run"
+    train(_small_cfg(corpus_dir), str(workdir))
+    return workdir
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _zero_biggest(step_dir: Path) -> None:
+    victim = max((p for p in (step_dir / "params").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+
+
 def test_skipped_nonfinite_update_keeps_params_and_moments_bitwise():
     cfg = _small_cfg("unused", inject_nan_at_step=1, skip_nonfinite_updates=True)
     steps = compile_steps(model_config(cfg), cfg.train, make_mesh(), seed=0)
@@ -286,9 +307,8 @@ def test_skip_mode_counts_the_skip_and_saves_finite_params(corpus_dir, tmp_path)
     assert Checkpointer(workdir).restore_progress(8) == {"skipped_updates": 1}
 
 
-def test_truncated_checkpoint_file_is_named_and_reader_falls_back(corpus_dir, tmp_path, caplog):
-    workdir = tmp_path / "run"
-    train(_small_cfg(corpus_dir), str(workdir))
+def test_truncated_checkpoint_file_is_named_and_reader_falls_back(small_run, tmp_path, caplog):
+    workdir = _copy(small_run, tmp_path)
     victim = workdir / "checkpoints" / "8" / "opt_state" / "_METADATA"
     victim.write_bytes(victim.read_bytes()[:7])
     _, fallback, _ = restore_params(str(workdir))
@@ -361,3 +381,76 @@ def test_prompt_ids_outside_the_vocabulary_are_named():
         generate(model, [[1, 2], [3, 384]], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"prompt_ids\[0\] holds -1"):
         generate(model, [[-1]], max_new_tokens=2)
+
+
+# ---------------------------------------------------------------- restore failures (issue 16)
+
+
+def test_changed_optimizer_state_stops_the_run_and_moves_nothing(small_run, corpus_dir,
+                                                                  tmp_path, monkeypatch):
+    """Measured on main: an EMA around the optimizer made every step 'corrupt'; all were moved
+    aside and the next run started from step 0. Now: stop, name the step and the difference."""
+    import optax
+
+    workdir = _copy(small_run, tmp_path)
+    plain = train_step.make_optimizer
+    monkeypatch.setattr(train_step, "make_optimizer",
+                        lambda tc: optax.chain(plain(tc), optax.ema(0.99)))
+    with pytest.raises(RestoreError) as e:
+        train(_small_cfg(corpus_dir), str(workdir))
+    msg = str(e.value)
+    assert f"checkpoint step 8 in {workdir / 'checkpoints'} does not fit" in msg
+    assert "array(s) only in this run (e.g. opt_state.opt_state." in msg
+    assert "nothing was moved" in msg
+    assert _complete_steps(workdir) == [4, 8] and not (workdir / "corrupt_checkpoints").exists()
+    _same_run(small_run, workdir)  # every step and its params still there, bitwise
+
+
+def test_a_failure_that_is_no_corruption_moves_nothing(small_run, tmp_path):
+    """Judged per failure: a verified step never counts as corrupt; an unverified one only for a
+    read error (a zeroed file), not for a bug or memory."""
+    workdir = _copy(small_run, tmp_path)
+    ckpt = Checkpointer(str(workdir), async_save=False)
+
+    def fail(exc):
+        def restore(step):
+            raise exc
+        return restore
+
+    for exc in (MemoryError("out of host memory"), ValueError("bad value")):
+        with pytest.raises(RestoreError, match=r"step 8 .*match the sha256 manifest") as e:
+            ckpt.first_restorable(fail(exc), move_bad=True)
+        assert type(exc).__name__ in str(e.value) and "Nothing was moved" in str(e.value)
+    ckpt.close()
+    os.remove(workdir / "checkpoints" / "8" / MANIFEST)  # unverified from here on
+    ckpt = Checkpointer(str(workdir), async_save=False)
+    with pytest.raises(RestoreError, match=r"step 8 .*TypeError.*no checksum manifest"):
+        ckpt.first_restorable(fail(TypeError("a bug")), move_bad=True)
+    assert _complete_steps(workdir) == [4, 8]
+    _zero_biggest(workdir / "checkpoints" / "8")
+    step, _ = ckpt.first_restorable(ckpt.restore_progress, move_bad=True)
+    assert step == 8  # the zeroed params are not read by this restore: no evidence yet
+    step, params = ckpt.first_restorable(
+        lambda s: restore_params(str(workdir), s), move_bad=True)
+    assert step == 4 and _complete_steps(workdir) == [4]  # a read error: moved aside
+    assert (workdir / "corrupt_checkpoints" / "8").is_dir()
+    ckpt.close()
+
+
+def test_quarantined_workdir_is_not_restarted_from_step_0_unless_asked(small_run, corpus_dir,
+                                                                       tmp_path):
+    workdir = _copy(small_run, tmp_path)
+    for step in (4, 8):
+        _zero_biggest(workdir / "checkpoints" / str(step))
+    for attempt in range(2):  # this run quarantines them; the next one finds them moved
+        with pytest.raises(ValueError, match="corrupt_checkpoints/ holds") as e:
+            train(_small_cfg(corpus_dir), str(workdir))
+        assert "['4', '8']" in str(e.value) and "allow_fresh_start=True" in str(e.value)
+        assert _complete_steps(workdir) == []
+    before = [(r["step"], r["loss"]) for r in _records(workdir)]
+    cfg = _small_cfg(corpus_dir)
+    cfg.checkpoint.allow_fresh_start = True
+    train(cfg, str(workdir))
+    assert _complete_steps(workdir) == [4, 8]
+    assert sorted(os.listdir(workdir / "corrupt_checkpoints")) == ["4", "8"]  # still kept
+    assert [(r["step"], r["loss"]) for r in _records(workdir)] == before  # redone, the same

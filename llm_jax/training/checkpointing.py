@@ -14,7 +14,10 @@ background thread); before a step is restored it is checked against it, and a st
 (a truncated, zeroed or missing file) is named with the file, moved to
 WORKDIR/corrupt_checkpoints/ and the previous one is used instead. A step without the manifest
 (killed between the save and the manifest) is restored unverified, with a warning; one that then
-fails to restore is treated as corrupt too.
+fails with a read error is treated as corrupt too. Any other failure (llm_jax.restore_check: a
+changed train state tree, memory, a bug) raises `RestoreError` and moves nothing, and a workdir
+left with quarantined steps and none that restores is not trained again from step 0 unless
+`checkpoint.allow_fresh_start` says so.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from llm_jax.parallel import distributed
 from llm_jax.config import EXECUTION_FIELDS, ModelConfig
+from llm_jax.training.restore_check import (CORRUPT, RESTORED, RestoreError, incompatibility, judge,
+                                   stop_error)
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -68,22 +74,37 @@ def write_manifest(step_dir: str) -> None:
     try:
         files = {f: [os.path.getsize(os.path.join(step_dir, f)), _sha256(os.path.join(step_dir, f))]
                  for f in _files(step_dir)}
-    except FileNotFoundError:  # garbage-collected (max_to_keep) while being hashed
+        tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"format": 1, "algorithm": "sha256", "files": files}, f)
+        os.replace(tmp, os.path.join(step_dir, MANIFEST))
+    except FileNotFoundError:  # garbage-collected (max_to_keep) while being hashed: no step
         return
-    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"format": 1, "algorithm": "sha256", "files": files}, f)
-    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def _manifest_files(path: str) -> dict[str, tuple[int, str]] | str:
+    """{file: (size, sha256)} from a manifest, or what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            files = json.loads(f.read())["files"]
+        out = {rel: (size, digest) for rel, (size, digest) in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        return f"its manifest {MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    if not all(isinstance(r, str) and type(s) is int and isinstance(d, str)
+               for r, (s, d) in out.items()):
+        return f"its manifest {MANIFEST} is unreadable (entries are not [size, sha256])"
+    return out
 
 
 def verify_manifest(step_dir: str) -> str | None:
     """What is wrong with the step's files by its manifest, or None if they match.
     Raises FileNotFoundError if the step has no manifest."""
-    with open(os.path.join(step_dir, MANIFEST)) as f:
-        try:
-            files = json.load(f)["files"]
-        except (ValueError, KeyError) as e:
-            return f"its manifest {MANIFEST} is unreadable ({e})"
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(path)
+    files = _manifest_files(path)
+    if isinstance(files, str):
+        return files
     for rel, (size, digest) in files.items():
         path = os.path.join(step_dir, rel)
         if not os.path.isfile(path):
@@ -91,13 +112,33 @@ def verify_manifest(step_dir: str) -> str | None:
         actual = os.path.getsize(path)
         if actual != size:
             return f"file {rel} has {actual} bytes, {size} when saved (truncated or overwritten)"
-        if _sha256(path) != digest:
-            return f"file {rel} does not match its sha256 from the save (corrupted)"
+        try:
+            if _sha256(path) != digest:
+                return f"file {rel} does not match its sha256 from the save (corrupted)"
+        except PermissionError as e:  # not corruption: moving the step would not help
+            raise RestoreError(f"{path} cannot be read to check its sha256: {e}; nothing was "
+                               "moved: fix its permissions and rerun") from e
+        except OSError as e:  # an I/O error reading it back is evidence enough
+            return f"file {rel} does not read back ({e})"
     return None
 
 
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, minus its own questions to JAX's preemption sync point.
+
+    Orbax calls `reached_preemption_sync_point(step)` with the step it saves, in `save` and again
+    from its finalize thread steps later. The sync manager keeps the last value it was given, so
+    that call sets it back; a preemption notice handled then picks a sync point the train loop
+    has already passed, and every process trains on past the preemption. The loop is the only
+    caller (llm_jax.preemption.StopRequest); here the answer only fed Orbax's metrics and logs.
+    We always save with `force=True`, so `should_save` never needs it."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
 
 
 def find_training_checkpoint(path: str) -> tuple[str, int | None] | None:
@@ -132,6 +173,7 @@ class Checkpointer:
         self.checksums = checksums  # write manifests (they are verified whenever present)
         self.problems: dict[int, str] = {}  # step -> why it was not restored
         self._checked: set[int] = set()
+        self._verified: set[int] = set()  # steps whose files matched their manifest
         if cleanup_tmp:
             for path in tmp_leftovers(self.directory):
                 logging.warning("ignoring %s: an incomplete checkpoint (the save was interrupted); "
@@ -140,7 +182,7 @@ class Checkpointer:
                     shutil.rmtree(path, ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=create, enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.manager = _Manager(self.directory, options=options)
         self._unhashed: list[int] = []
         self._hashing: list[concurrent.futures.Future] = []
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256")
@@ -184,6 +226,12 @@ class Checkpointer:
             self._hashing.append(self._hasher.submit(write_manifest, self.step_dir(step)))
         self._unhashed = []
 
+    def poll(self) -> None:
+        """Starts the manifest of a save that has finished since (call it every step: without
+        it a step stays unverified until the next save, and a kill meanwhile leaves it so)."""
+        if self._unhashed and not self.manager.is_saving_in_progress():
+            self._hash_finished()
+
     def check(self, step: int) -> str | None:
         """Why step `step` must not be restored (named file), or None (warns if unverified)."""
         if step in self._checked:
@@ -198,6 +246,8 @@ class Checkpointer:
             return None
         if problem:
             self.problems[step] = problem
+        else:
+            self._verified.add(step)
         return problem
 
     def quarantine(self, step: int, problem: str) -> None:
@@ -236,21 +286,57 @@ class Checkpointer:
 
     def first_restorable(self, restore: Callable[[int], Any], *, move_bad: bool = False
                          ) -> tuple[int | None, Any]:
-        """(step, restore(step)) for the newest step that checks out and restores; the steps
-        that fail are reported (`move_bad`: quarantined). (None, None) if there is none."""
+        """(step, restore(step)) for the newest step that checks out and restores; the corrupt
+        ones are reported (`move_bad`: quarantined). (None, None) if there is none. Raises
+        RestoreError, moving nothing, when a step fails for another reason (restore_check)."""
         while (step := self.latest_good_step(move_bad=move_bad)) is not None:
             try:
-                return step, restore(step)
-            except Exception as e:  # noqa: BLE001 - Orbax / tensorstore / JSON errors vary
-                problem = f"restoring it failed: {type(e).__name__}: {str(e)[:500]}"
-                if move_bad:
-                    self.quarantine(step, problem)
-                else:
-                    logging.error("checkpoint step %d in %s is corrupt: %s", step,
-                                  self.directory, problem)
-                    self.problems[step] = problem
-                    self._checked.add(step)
+                out, failure = restore(step), None
+            except Exception as e:  # noqa: BLE001 - judged below: only read errors are corrupt
+                out, failure = None, e
+            verified = step in self._verified
+            # Every process acts on the worst verdict: a shard that fails on one fails them all.
+            verdict = max(distributed.process_allgather_int(judge(failure, verified=verified)))
+            if verdict == RESTORED:
+                return step, out
+            if verdict != CORRUPT:
+                raise stop_error(step, self.directory, failure, verified=verified) from failure
+            problem = ("restoring it failed on another process (see its log)" if failure is None
+                       else f"restoring it failed: {type(failure).__name__}: "
+                            f"{str(failure)[:500]}")
+            if move_bad:
+                self.quarantine(step, problem)
+            else:
+                logging.error("checkpoint step %d in %s is corrupt: %s", step,
+                              self.directory, problem)
+                self.problems[step] = problem
+                self._checked.add(step)
         return None, None
+
+    def quarantined(self) -> list[str]:
+        """The step folders in WORKDIR/corrupt_checkpoints/ (moved there by any run)."""
+        d = os.path.join(self.workdir, CORRUPT_DIR)
+        return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+    def check_fresh_start(self, allow: bool) -> None:
+        """Called when no checkpoint restores: refuses to train from step 0 in a workdir whose
+        checkpoints were quarantined (new steps would reuse their numbers), unless `allow`."""
+        moved = self.quarantined()
+        if not moved:
+            return
+        where = os.path.join(self.workdir, CORRUPT_DIR)
+        if allow:
+            logging.warning("no checkpoint in %s restores and %s holds %s; starting from step 0 "
+                            "as checkpoint.allow_fresh_start=True asks", self.directory, where,
+                            moved)
+            return
+        raise ValueError(
+            f"no checkpoint in {self.directory} restores, and {where}/ holds {moved}: checkpoints "
+            f"of this workdir that were found corrupt and moved aside (by this or an earlier run). "
+            f"Refusing to start again from step 0 over them. Look at {where}/ (and the log that "
+            "moved them); to train from scratch here anyway, rerun with "
+            "--config.checkpoint.allow_fresh_start=True (the moved steps stay), or use a new "
+            "--workdir")
 
     def restore_config(self, step: int | None = None) -> dict[str, Any]:
         step = self.latest_step() if step is None else step
@@ -258,7 +344,12 @@ class Checkpointer:
         return dict(out["config"])
 
     def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None):
-        """State restored onto the shardings carried by `abstract_state`; data_iter in place."""
+        """State restored onto the shardings carried by `abstract_state`; data_iter in place.
+        Raises RestoreError, before reading any array, if the saved trees do not fit."""
+        targets = {"params": abstract_state.params, "opt_state": {
+            "step": abstract_state.step, "opt_state": abstract_state.opt_state}}
+        if (error := incompatibility(step, self.directory, targets)) is not None:
+            raise error
         items: dict[str, Any] = {
             "params": ocp.args.StandardRestore(abstract_state.params),
             "opt_state": ocp.args.StandardRestore(
@@ -278,11 +369,11 @@ class Checkpointer:
         return dict(out["progress"])
 
     def restore_tokenizer_proto(self, step: int) -> bytes | None:
-        try:
-            out = self.manager.restore(step, args=ocp.args.Composite(
-                tokenizer=ocp.args.JsonRestore()))
-        except (FileNotFoundError, KeyError, ValueError):
+        """The sentencepiece model saved with `step` (None for a checkpoint without one)."""
+        if not os.path.isdir(os.path.join(self.step_dir(step), "tokenizer")):
             return None
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            tokenizer=ocp.args.JsonRestore()))
         return base64.b64decode(out["tokenizer"]["sentencepiece_model"])
 
     def wait(self) -> None:
@@ -327,6 +418,8 @@ def restore_params(workdir: str, step: int | None = None):
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                                 abstract)
+        if (error := incompatibility(s, ckpt.directory, {"params": abstract})) is not None:
+            raise error
         params = ckpt.manager.restore(s, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract)))["params"]
         return cfg, params, ckpt.restore_tokenizer_proto(s)

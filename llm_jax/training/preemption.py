@@ -6,9 +6,15 @@ signal exits at once with `os._exit`: whatever save is in flight is left as an O
 directory, which the next run reports and removes, so the last complete checkpoint is untouched.
 
 Multi-process runs: JAX's preemption service (on by default with `jax.distributed`) owns SIGTERM
-there and agrees on a step at which every process saves, `reached_preemption_sync_point`; this
-module then leaves SIGTERM to it and only catches SIGINT, whose flag the processes agree on at
-log steps (`should_stop(..., agree=True)`), so no process leaves a collective the others are in.
+there: a SIGTERM to any one process reaches all of them through the coordination service, which
+picks the call of `reached_preemption_sync_point` at which every process stops, one past the
+furthest any process had reached. This module then leaves SIGTERM to it and only catches SIGINT,
+whose flag the processes agree on at log steps (`should_stop(..., agree=True)`), so no process
+leaves a collective the others are in. The value given to the sync point counts this run's calls
+(1, 2, ...) rather than being the training step: a notice that arrives before the first call (during
+start-up) sets the sync point to 1, which a resumed run starting at step 800 would otherwise never
+reach. Orbax's own calls, which would set the counter back, are switched off
+(llm_jax.checkpointing._Manager).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class StopRequest:
         self.signum: int | None = None
         self.preempted = False
         self._previous: dict[int, object] = {}
+        self._calls = 0  # should_stop calls so far: the preemption sync counter
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
@@ -77,12 +84,13 @@ class StopRequest:
                         "(send it again to exit at once)", name)
 
     def should_stop(self, step: int, *, agree: bool = False) -> bool:
-        """Whether to stop after `step`. Call after every step with the same steps on every
+        """Whether to stop before `step`. Call once per step, at the same steps on every
         process; `agree=True` (at log steps) lets multi-process runs act on a local signal."""
         from jax.experimental import multihost_utils
 
+        self._calls += 1
         try:
-            preempted = multihost_utils.reached_preemption_sync_point(step)
+            preempted = multihost_utils.reached_preemption_sync_point(self._calls)
         except RuntimeError:  # jax.distributed without the preemption service
             preempted = False
         if preempted:

@@ -87,6 +87,10 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     # sha256 of every file of a finished save, hashed in a background thread (about 0.4 GB/s
     # per core here) and checked before a restore; off for checkpoints too big to hash.
     cfg.checkpoint.checksums = True
+    # A workdir with no restorable checkpoint but steps moved to WORKDIR/corrupt_checkpoints/ is
+    # refused rather than trained again from step 0; True starts from scratch there anyway (the
+    # moved steps stay where they are). docs/reliability.md.
+    cfg.checkpoint.allow_fresh_start = False
     cfg.checkpoint.inject_kill_during_save_at_step = -1  # fault injection: kill -9 mid-save
     return cfg
 

@@ -10,9 +10,15 @@ config attached (`model.cfg`):
   with `block.N.*` names, fused qkv, MoE weights (E, out, in), plain or MXFP4
   (`*.blocks` / `*.scales`).
   A directory holding only an `original/` subdirectory is read from there.
-Layouts and names: docs/model.md, "Checkpoint layouts". Only safetensors are read (by a small
-reader of the format, because `safetensors.numpy` cannot read bfloat16); pickles are refused.
-Weights are filled into an abstract model (`nnx.eval_shape`), so nothing is randomly initialised.
+Layouts and names: docs/model.md, "Checkpoints". Only safetensors are read; pickles are
+refused. Weights are filled into an abstract model (`nnx.eval_shape`), so nothing is randomly
+initialised.
+
+Hostile files (docs/reliability.md): every safetensors header is validated field by field before
+any tensor is read (llm_jax.safetensors_header), config.json fields are checked for type and
+range by name, and the shapes the config implies are compared with the headers before anything
+sized by the config is built or allocated. Every problem is a ValueError naming the file, the
+tensor or field, and what was expected; the tensors themselves are read by `safetensors`.
 
 Shapes: L layers, V vocab, D hidden, N q heads, K kv heads, H head_dim, E experts, F intermediate.
 """
@@ -20,9 +26,9 @@ Shapes: L layers, V vocab, D hidden, N q heads, K kv heads, H head_dim, E expert
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
-import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,8 @@ from flax import nnx
 
 from llm_jax.training.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.config import RMS_NORM_EPS, SWIGLU_ALPHA, ModelConfig
+from llm_jax.weights.json_fields import Fields, read_json_object
+from llm_jax.weights.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 
 LLM_JAX_CONFIG = "config.json"
 LLM_JAX_PARAMS = "params.safetensors"
@@ -62,30 +70,14 @@ MXFP4_BLOCK = 32  # values per scale
 
 
 # ====================================================================== safetensors
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _TensorInfo:
-    file: Path
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset in the file
-
-
 class TensorStore:
-    """Lazy, read-only view of the tensors in one or more safetensors files (memory-mapped)."""
+    """Read-only view of the tensors in one or more safetensors files, headers validated."""
 
     def __init__(self, files: Iterable[Path]):
         self.files = [Path(f) for f in files]
-        self._info: dict[str, _TensorInfo] = {}
+        self._info: dict[str, TensorInfo] = {}
         for f in self.files:
-            for name, info in _read_header(f).items():
+            for name, info in read_header(f).items():
                 if name in self._info:
                     raise ValueError(
                         f"tensor {name!r} appears in both {self._info[name].file} and {f}")
@@ -97,11 +89,16 @@ class TensorStore:
     def names(self) -> list[str]:
         return sorted(self._info)
 
+    def info(self, name: str) -> TensorInfo:
+        return self._info[name]
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._info[name].shape
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The tensor `name` (a read-only memory map); checks its shape when `shape` is given."""
+        """The tensor `name` (read by `safetensors`); checks its shape when `shape` is given."""
+        from safetensors import SafetensorError, safe_open
+
         if name not in self._info:
             where = ", ".join(str(f) for f in self.files)
             raise ValueError(f"checkpoint is missing tensor {name!r} (looked in {where})")
@@ -110,42 +107,11 @@ class TensorStore:
             raise ValueError(
                 f"tensor {name!r} in {info.file} has shape {info.shape}, expected {tuple(shape)}"
             )
-        count = math.prod(info.shape)
-        if count == 0:
-            return np.zeros(info.shape, info.dtype)
-        return np.memmap(info.file, dtype=info.dtype, mode="r", offset=info.offset,
-                         shape=(count,)).reshape(info.shape)
-
-
-def _read_header(path: Path) -> dict[str, _TensorInfo]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ValueError(
-                f"{path} is not a safetensors file (header size {n} > file size {size})")
         try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(
-                f"{path} is not a safetensors file (header is not JSON: {e})") from None
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"tensor {name!r} in {path} has unsupported dtype {entry['dtype']!r}")
-        dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
-        start, end = entry["data_offsets"]
-        shape = tuple(int(s) for s in entry["shape"])
-        if end - start != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
-            raise ValueError(
-                f"tensor {name!r} in {path} has inconsistent data offsets {start, end}")
-        out[name] = _TensorInfo(path, dtype, shape, 8 + n + start)
-    return out
+            with safe_open(str(info.file), framework="numpy") as f:
+                return f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"tensor {name!r} in {info.file} does not read: {e}") from None
 
 
 def _save_safetensors(tensors: Mapping[str, np.ndarray], path: Path) -> None:
@@ -196,107 +162,112 @@ _HF_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta
                  "mscale_all_dim", "partial_rotary_factor"}
 
 
-def _hf_unsupported(key: str, value: Any, expected: str) -> ValueError:
-    return ValueError(
-        f"unsupported Hugging Face gpt-oss config: {key}={value!r} (llm_jax supports {expected})")
+def _hf_unsupported(f: Fields, key: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"{f.where}: unsupported Hugging Face gpt-oss config: {key}={value!r} "
+                      f"(llm_jax supports {expected})")
 
 
-def hf_config_to_model_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """A GptOssConfig dict (config.json) -> ModelConfig; refuses what llm_jax cannot compute."""
-    hf = dict(hf)
-    if hf.get("model_type", "gpt_oss") != "gpt_oss":
-        raise _hf_unsupported("model_type", hf["model_type"], "'gpt_oss'")
-
-    def need(key: str, *aliases: str) -> Any:
-        for k in (key, *aliases):
-            if hf.get(k) is not None:
-                return hf[k]
-        raise ValueError(f"Hugging Face config is missing {key!r}")
-
-    fixed = {"rms_norm_eps": RMS_NORM_EPS, "swiglu_alpha": SWIGLU_ALPHA}
-    for key, want in fixed.items():
-        got = hf.get(key, _HF_DEFAULTS[key])
+def hf_config_to_model_config(hf: Mapping[str, Any], source: str = "Hugging Face config"
+                              ) -> ModelConfig:
+    """A GptOssConfig dict (config.json) -> ModelConfig; refuses what llm_jax cannot compute,
+    and any field of the wrong type or range, naming `source` and the field."""
+    f = Fields(hf, source)
+    if f.raw("model_type", "gpt_oss") != "gpt_oss":
+        raise _hf_unsupported(f, "model_type", f.raw("model_type"), "'gpt_oss'")
+    for key, want in {"rms_norm_eps": RMS_NORM_EPS, "swiglu_alpha": SWIGLU_ALPHA}.items():
+        got = f.float(key, default=_HF_DEFAULTS[key])
         if not math.isclose(got, want, rel_tol=1e-9):
-            raise _hf_unsupported(key, got, f"{want} only (fixed in gpt-oss)")
-    if hf.get("attention_bias", True) is not True:
-        raise _hf_unsupported("attention_bias", hf["attention_bias"], "true only")
-    if hf.get("tie_word_embeddings", False) is not False:
-        raise _hf_unsupported("tie_word_embeddings", hf["tie_word_embeddings"], "false only")
-    quant = hf.get("quantization_config")
-    if quant is not None and quant.get("quant_method") != "mxfp4":
-        raise _hf_unsupported("quantization_config.quant_method", quant.get("quant_method"),
+            raise _hf_unsupported(f, key, got, f"{want} only (fixed in gpt-oss)")
+    if f.raw("attention_bias", True) is not True:
+        raise _hf_unsupported(f, "attention_bias", f.raw("attention_bias"), "true only")
+    if f.raw("tie_word_embeddings", False) is not False:
+        raise _hf_unsupported(f, "tie_word_embeddings", f.raw("tie_word_embeddings"),
+                              "false only")
+    quant = f.obj("quantization_config")
+    if quant is not None and quant.raw("quant_method") != "mxfp4":
+        raise _hf_unsupported(f, "quantization_config.quant_method", quant.raw("quant_method"),
                               "'mxfp4' (dequantized on load) or none")
 
-    heads = int(need("num_attention_heads"))
-    hidden = int(need("hidden_size"))
-    layers = int(need("num_hidden_layers"))
-    window = int(hf.get("sliding_window") or 0)
+    heads = f.int("num_attention_heads")
+    hidden = f.int("hidden_size")
+    layers = f.int("num_hidden_layers")
+    window = f.int("sliding_window", default=0, low=0)
 
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling")
-    rope = dict(_HF_DEFAULT_ROPE if rope is None else rope)
-    unknown = sorted(set(rope) - _HF_ROPE_KEYS)
+    rope_key = "rope_parameters" if f.raw("rope_parameters") else "rope_scaling"
+    rope = f.obj(rope_key) if f.raw(rope_key) else Fields(dict(_HF_DEFAULT_ROPE), source)
+    unknown = sorted(set(rope.d) - _HF_ROPE_KEYS)
     if unknown:
-        raise _hf_unsupported(f"rope_parameters.{unknown[0]}", rope[unknown[0]], "no such key")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or _HF_DEFAULTS["rope_theta"])
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _hf_unsupported("rope_parameters.partial_rotary_factor",
-                              rope["partial_rotary_factor"], "1.0 only")
+        raise _hf_unsupported(f, f"rope_parameters.{unknown[0]}", rope.d[unknown[0]], "no such key")
+    rope_type = rope.raw("rope_type", rope.raw("type", "default"))
+    theta = (rope.float("rope_theta", above=1.0) if "rope_theta" in rope
+             else f.float("rope_theta", default=_HF_DEFAULTS["rope_theta"], above=1.0))
+    if rope.raw("partial_rotary_factor", 1.0) != 1.0:
+        raise _hf_unsupported(f, "rope_parameters.partial_rotary_factor",
+                              rope.raw("partial_rotary_factor"), "1.0 only")
     arch: dict[str, Any] = {}
     if rope_type == "yarn":
-        factor = float(rope["factor"]) if rope.get("factor") is not None else None
-        if factor is None:
-            raise _hf_unsupported("rope_parameters.factor", None, "a number >= 1")
-        if rope.get("truncate", True) is not False:  # HF's YaRN truncates unless told not to
-            raise _hf_unsupported("rope_parameters.truncate", rope.get("truncate", True),
+        if "factor" not in rope:
+            raise _hf_unsupported(f, "rope_parameters.factor", None, "a number >= 1")
+        factor = rope.float("factor", at_least=1.0)
+        if rope.raw("truncate", True) is not False:  # HF's YaRN truncates unless told not to
+            raise _hf_unsupported(f, "rope_parameters.truncate", rope.raw("truncate", True),
                                   "false only (gpt-oss YaRN does not round the correction range)")
         for key in ("mscale", "mscale_all_dim"):
-            if rope.get(key) is not None:
-                raise _hf_unsupported(f"rope_parameters.{key}", rope[key], "null only")
+            if key in rope:
+                raise _hf_unsupported(f, f"rope_parameters.{key}", rope.raw(key), "null only")
         conc = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-        if rope.get("attention_factor") is not None and not math.isclose(
-                rope["attention_factor"], conc, rel_tol=1e-6):
-            raise _hf_unsupported("rope_parameters.attention_factor", rope["attention_factor"],
+        if "attention_factor" in rope and not math.isclose(
+                rope.float("attention_factor"), conc, rel_tol=1e-6):
+            raise _hf_unsupported(f, "rope_parameters.attention_factor",
+                                  rope.raw("attention_factor"),
                                   f"null or 0.1 ln(factor) + 1 = {conc}")
-        l0 = rope.get("original_max_position_embeddings") or need("max_position_embeddings")
-        arch.update(rope_scaling_factor=factor, rope_ntk_beta=float(rope.get("beta_fast") or 32.0),
-                    rope_ntk_alpha=float(rope.get("beta_slow") or 1.0),
-                    initial_context_length=int(l0))
+        l0 = (rope.int("original_max_position_embeddings")
+              if "original_max_position_embeddings" in rope else f.int("max_position_embeddings"))
+        arch.update(rope_scaling_factor=factor,
+                    rope_ntk_beta=rope.float("beta_fast", default=32.0, above=0.0),
+                    rope_ntk_alpha=rope.float("beta_slow", default=1.0, above=0.0),
+                    initial_context_length=l0)
     elif rope_type == "default":
         arch.update(rope_scaling_factor=1.0,
-                    initial_context_length=int(hf.get("max_position_embeddings") or 4096))
+                    initial_context_length=f.int("max_position_embeddings", default=4096))
     else:
-        raise _hf_unsupported("rope_parameters.rope_type", rope_type, "'yarn' or 'default'")
+        raise _hf_unsupported(f, "rope_parameters.rope_type", rope_type, "'yarn' or 'default'")
 
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        window = 0  # HF needs some sliding_window even when no layer slides; it is unused then
-    expected_types = ["sliding_attention" if window > 0 and i % 2 == 0 else "full_attention"
-                      for i in range(layers)]
-    if layer_types is not None and list(layer_types) != expected_types:
-        raise _hf_unsupported("layer_types", layer_types,
-                              f"{expected_types} (even layers slide when sliding_window > 0)")
+    layer_types = f.str_list("layer_types")
+    if layer_types is not None:  # compared by length first: `layers` comes from the file
+        if "sliding_attention" not in layer_types:
+            window = 0  # HF needs some sliding_window even when no layer slides; unused then
+        expected = ["sliding_attention" if window > 0 and i % 2 == 0 else "full_attention"
+                    for i in range(len(layer_types))]
+        if len(layer_types) != layers or layer_types != expected:
+            raise _hf_unsupported(f, "layer_types", layer_types,
+                                  f"{layers} entries, {expected[:4]}... (even layers slide when "
+                                  "sliding_window > 0)")
 
     arch.update(
         num_hidden_layers=layers,
-        num_experts=int(need("num_local_experts", "num_experts")),
-        experts_per_token=int(need("num_experts_per_tok")),
-        vocab_size=int(need("vocab_size")),
+        num_experts=f.int("num_local_experts", "num_experts"),
+        experts_per_token=f.int("num_experts_per_tok"),
+        vocab_size=f.int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
+        intermediate_size=f.int("intermediate_size"),
+        head_dim=f.int("head_dim", default=max(hidden // heads, 1)),
         num_attention_heads=heads,
-        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        num_key_value_heads=f.int("num_key_value_heads", default=heads),
         sliding_window=window,
         rope_theta=theta,
-        swiglu_limit=float(hf.get("swiglu_limit", _HF_DEFAULTS["swiglu_limit"])),
+        swiglu_limit=f.float("swiglu_limit", default=_HF_DEFAULTS["swiglu_limit"], above=0.0),
     )
-    if hf.get("initializer_range"):
-        arch["initializer_range"] = float(hf["initializer_range"])
-    dtype = hf.get("dtype") or hf.get("torch_dtype")
+    if f.raw("initializer_range"):
+        arch["initializer_range"] = f.float("initializer_range", above=0.0)
+    dtype = f.raw("dtype") or f.raw("torch_dtype")
     if dtype in ("float32", "bfloat16", "float16"):
         arch.update(dtype=dtype, param_dtype=dtype)
-    return ModelConfig(**arch)
+    try:
+        return ModelConfig(**arch)
+    except ValueError as e:  # a combination of fields, named by their ModelConfig names
+        raise ValueError(f"{source}: {e} (Hugging Face names: num_local_experts = "
+                         "num_experts, num_experts_per_tok = experts_per_token)") from None
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
@@ -347,13 +318,6 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "initializer_range": cfg.initializer_range,
         "dtype": cfg.param_dtype,
     }
-
-
-def openai_config_to_model_config(d: Mapping[str, Any]) -> ModelConfig:
-    missing = [k for k in ARCH_FIELDS if k not in d]
-    if missing:
-        raise ValueError(f"OpenAI gpt-oss config.json is missing {missing}")
-    return ModelConfig.from_dict({k: d[k] for k in ARCH_FIELDS})
 
 
 def model_config_to_openai_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -464,48 +428,103 @@ def _openai_specs(cfg: ModelConfig) -> tuple[list[_Spec], list[_Spec]]:
     return top, layer
 
 
-def _read_spec(store: TensorStore, spec: _Spec, name: str, out: np.ndarray) -> None:
-    """Fills `out` (our layout, target dtype) from checkpoint tensor `name`, dequantizing MXFP4."""
-    if name not in store and spec.mxfp4 is not None and name + spec.mxfp4[0] in store:
-        # Packed MoE weights are (E, out, in) in both layouts, blocked along `in`;
-        # ours are (E, in, out).
-        blocks_name, scales_name = (name + s for s in spec.mxfp4)
-        e, d_in, d_out = out.shape
-        want = (e, d_out, d_in // MXFP4_BLOCK)
-        scales = store.get(scales_name)
-        if scales.shape != want or d_in % MXFP4_BLOCK:
-            raise ValueError(f"tensor {scales_name!r} has shape {scales.shape}, expected {want} "
-                             f"(MXFP4 scales of an {(e, d_out, d_in)} weight)")
-        blocks = store.get(blocks_name, (*want, MXFP4_BLOCK // 2))
-        for i in range(e):  # one expert at a time bounds the float32 temporary
-            out[i] = dequantize_mxfp4(blocks[i], scales[i]).T.astype(out.dtype)
+def _packed_shapes(spec: _Spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(blocks, scales) shapes of an MXFP4-packed MoE weight: (E, out, in/32, 16), (E, out, in/32)
+    in both layouts. The dense tensor is (E, out, in) in OpenAI's (loaded with `_t`), (E, in, out)
+    in Hugging Face's."""
+    e, a, b = spec.src_shape
+    d_out, d_in = (a, b) if spec.load is _t else (b, a)
+    g = d_in // MXFP4_BLOCK if d_in % MXFP4_BLOCK == 0 else -1  # -1: cannot be MXFP4
+    return (e, d_out, g, MXFP4_BLOCK // 2), (e, d_out, g)
+
+
+def _fields_of(shape: tuple[int, ...], expected: tuple[int, ...], cfg: ModelConfig,
+               names: Mapping[str, str]) -> str:
+    """Which config fields the mismatching dims of `expected` come from, for the error."""
+    out = []
+    for axis, (got, want) in enumerate(itertools.zip_longest(shape, expected)):
+        if got != want and want is not None:
+            fields = [names.get(k, k) for k in ARCH_FIELDS if getattr(cfg, k) == want]
+            out.append(f"axis {axis} = {' or '.join(fields) or 'a product of fields'} = {want}")
+    return f" ({'; '.join(out)})" if out else ""
+
+
+def _check_tensor(store: TensorStore, name: str, shape: tuple[int, ...], packed: bool,
+                  source: Path, cfg: ModelConfig, names: Mapping[str, str]) -> None:
+    """The header of tensor `name` against the shape `source` implies; dtype float, or uint8
+    for MXFP4 blocks and scales (`packed`)."""
+    info = store.info(name)
+    if info.shape != shape:
+        raise ValueError(f"tensor {name!r} in {info.file} has shape {info.shape}, expected "
+                         f"{shape} from {source}{_fields_of(info.shape, shape, cfg, names)}: is "
+                         "the config that of these weights?")
+    if (info.dtype == np.uint8) if packed else (info.dtype in FLOAT_DTYPES):
         return
-    out[...] = spec.load(store.get(name, spec.src_shape)).astype(out.dtype)
+    raise ValueError(f"tensor {name!r} in {info.file} has dtype {info.dtype}, expected "
+                     f"{'uint8 (MXFP4)' if packed else 'a floating-point dtype'}")
+
+
+def _check_specs(store: TensorStore, specs: tuple[list[_Spec], list[_Spec]], cfg: ModelConfig,
+                 source: Path, names: Mapping[str, str]) -> None:
+    """Every tensor the config at `source` implies, by name, shape and dtype, against the
+    headers, and none left over: before anything sized by the config is built or allocated.
+    Layer by layer, so a layer count beyond the weights fails at the first missing layer."""
+    top, layer = specs
+    used: set[str] = set()
+
+    def check(spec: _Spec, name: str, n: int | None) -> None:
+        if name in store:
+            _check_tensor(store, name, spec.src_shape, False, source, cfg, names)
+            used.add(name)
+        elif spec.mxfp4 is not None and name + spec.mxfp4[0] in store:
+            for suffix, shape in zip(spec.mxfp4, _packed_shapes(spec)):
+                if name + suffix not in store:
+                    raise ValueError(f"checkpoint has {name + spec.mxfp4[0]!r} but not its "
+                                     f"{name + suffix!r} (MXFP4 comes as blocks and scales)")
+                _check_tensor(store, name + suffix, shape, True, source, cfg, names)
+                used.add(name + suffix)
+        else:
+            layers = f" (layer {n} of num_hidden_layers={cfg.num_hidden_layers})" if n else ""
+            where = ", ".join(str(f) for f in store.files)
+            raise ValueError(f"checkpoint is missing tensor {name!r}, which {source} implies"
+                             f"{layers} (looked in {where})")
+
+    for spec in top:
+        check(spec, spec.src, None)
+    for n in range(cfg.num_hidden_layers):
+        for spec in layer:
+            check(spec, spec.src.format(n=n), n)
+    unused = sorted(set(store.names()) - used)
+    if unused:
+        raise ValueError(f"checkpoint has {len(unused)} tensor(s) that {source} does not "
+                         f"imply, e.g. {unused[:5]} (is the config that of these weights?)")
+
+
+def _read_spec(store: TensorStore, spec: _Spec, name: str, out: np.ndarray) -> None:
+    """Fills `out` (our layout, target dtype) from checkpoint tensor `name` (checked by
+    `_check_specs`), dequantizing MXFP4 one expert at a time to bound the float32 temporary."""
+    if name in store:
+        out[...] = spec.load(store.get(name)).astype(out.dtype)
+        return
+    blocks, scales = (store.get(name + s) for s in spec.mxfp4)
+    for i in range(out.shape[0]):  # packed (E, out, in) -> ours (E, in, out)
+        out[i] = dequantize_mxfp4(blocks[i], scales[i]).T.astype(out.dtype)
 
 
 def _read_specs(store: TensorStore, specs: tuple[list[_Spec], list[_Spec]], cfg: ModelConfig,
                 targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
+    """The params in our layout from tensors that `_check_specs` has passed."""
     top, layer = specs
     params: dict[str, np.ndarray] = {}
-    used: set[str] = set()
-
-    def fill(spec: _Spec, name: str, out: np.ndarray) -> None:
-        _read_spec(store, spec, name, out)
-        used.update({name} if name in store else {name + s for s in spec.mxfp4 or ()})
-
     for spec in top:
         t = targets[spec.key]
         params[spec.key] = np.empty(t.shape, t.dtype)
-        fill(spec, spec.src, params[spec.key])
+        _read_spec(store, spec, spec.src, params[spec.key])
     for spec in layer:
         t = targets[f"layers.{spec.key}"]
         out = params[f"layers.{spec.key}"] = np.empty(t.shape, t.dtype)
         for n in range(cfg.num_hidden_layers):
-            fill(spec, spec.src.format(n=n), out[n])
-    unused = sorted(set(store.names()) - used)
-    if unused:
-        raise ValueError(f"checkpoint has {len(unused)} tensor(s) the config does not use, "
-                         f"e.g. {unused[:5]} (is the config.json that of these weights?)")
+            _read_spec(store, spec, spec.src.format(n=n), out[n])
     return params
 
 
@@ -520,23 +539,16 @@ def _write_specs(flat: Mapping[str, np.ndarray], specs: tuple[list[_Spec], list[
 
 
 # ====================================================================== formats
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-
-
 def _is_llm_jax(root: Path) -> bool:
     cfg = root / LLM_JAX_CONFIG
-    return cfg.is_file() and (root / LLM_JAX_PARAMS).is_file() and "model" in _read_json(cfg)
+    return cfg.is_file() and (root / LLM_JAX_PARAMS).is_file() and "model" in read_json_object(cfg)
 
 
 def _is_hf(root: Path) -> bool:
     cfg = root / "config.json"
     if not cfg.is_file() or not ((root / HF_WEIGHTS).is_file() or (root / HF_INDEX).is_file()):
         return False
-    d = _read_json(cfg)  # any HF model type; hf_config_to_model_config refuses non-gpt-oss ones
+    d = read_json_object(cfg)  # any HF model type; hf_config_to_model_config refuses others
     return "model_type" in d or "num_local_experts" in d
 
 
@@ -544,7 +556,7 @@ def _is_openai(root: Path) -> bool:
     cfg = root / "config.json"
     if not cfg.is_file() or not any(root.glob("*.safetensors")):
         return False
-    d = _read_json(cfg)
+    d = read_json_object(cfg)
     return "experts_per_token" in d and "num_experts" in d
 
 
@@ -577,29 +589,81 @@ def detect_format(path: str | Path) -> tuple[str, Path]:
     )
 
 
+def _shard_names(index: Path) -> dict[str, str]:
+    """{tensor: shard file name} of a sharded Hugging Face checkpoint's index, checked."""
+    weight_map = Fields(read_json_object(index), str(index)).obj("weight_map")
+    if weight_map is None:
+        raise ValueError(f"{index} has no 'weight_map' (expected an object: tensor -> shard)")
+    for tensor, shard in weight_map.d.items():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors")
+                and Path(shard).name == shard and not shard.startswith(".")):
+            raise ValueError(f"{index}: weight_map[{tensor!r}] = {shard!r} is invalid: expected "
+                             "the file name of a .safetensors shard in the same directory")
+    return weight_map.d
+
+
 def _hf_store(root: Path) -> TensorStore:
-    if (root / HF_INDEX).is_file():
-        weight_map = _read_json(root / HF_INDEX).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{root / HF_INDEX} has no 'weight_map'")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (root / f).is_file()]
-        if missing:
-            raise ValueError(f"{root / HF_INDEX} names shard(s) {missing} that are not in {root}")
-        return TensorStore(root / f for f in files)
-    return TensorStore([root / HF_WEIGHTS])
+    if not (root / HF_INDEX).is_file():
+        return TensorStore([root / HF_WEIGHTS])
+    index = root / HF_INDEX
+    weight_map = _shard_names(index)
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        raise ValueError(f"{index} names shard(s) {missing} that are not in {root}")
+    store = TensorStore(root / f for f in files)
+    for tensor in sorted(set(weight_map) | set(store.names())):
+        actual = store.info(tensor).file.name if tensor in store else None
+        if actual != weight_map.get(tensor):
+            raise ValueError(f"{index} puts tensor {tensor!r} in {weight_map.get(tensor)}, but "
+                             f"{actual or 'none of the shards it names'} holds it: the index "
+                             "does not match the shards' headers")
+    return store
 
 
 @dataclasses.dataclass(frozen=True)
 class _Format:
-    """How to read one checkpoint format: its config, and its tensors in our layout."""
+    """How to read one checkpoint format: its config; a check of the weight files' headers
+    against it, before anything sized by the config is built; its tensors in our layout."""
 
     config: Callable[[Path], ModelConfig]
+    check: Callable[[Path, ModelConfig], None]
     params: Callable[[Path, ModelConfig, Mapping[str, jax.ShapeDtypeStruct]], dict[str, np.ndarray]]
 
 
+def _model_config(f: Fields, keys: Iterable[str]) -> ModelConfig:
+    """ModelConfig from the fields `keys` of `f`, each number checked by name first."""
+    types = {x.name: x.type for x in dataclasses.fields(ModelConfig)}
+    d: dict[str, Any] = {}
+    for k in keys:
+        if types.get(k) == "int" and f.raw(k) is not None:
+            d[k] = f.int(k, low=0 if k == "sliding_window" else 1)
+        elif types.get(k) == "float" and f.raw(k) is not None:
+            d[k] = f.float(k)
+        else:
+            d[k] = f.raw(k)
+    try:
+        return ModelConfig.from_dict(d)
+    except (ValueError, TypeError) as e:  # TypeError: a missing field without default
+        raise ValueError(f"{f.where}: {e}") from None
+
+
 def _llm_jax_config(root: Path) -> ModelConfig:
-    return ModelConfig.from_dict(_read_json(root / LLM_JAX_CONFIG)["model"])
+    path = root / LLM_JAX_CONFIG
+    model = Fields(read_json_object(path), str(path)).obj("model")
+    if model is None:
+        raise ValueError(f"{path} has no 'model' object (the ModelConfig)")
+    return _model_config(model, model.d)
+
+
+def _llm_jax_check(root: Path, cfg: ModelConfig) -> None:
+    store = TensorStore([root / LLM_JAX_PARAMS])
+    stacked = {store.shape(k)[0] for k in store.names() if k.startswith("layers.")
+               and store.shape(k)}
+    if stacked and cfg.num_hidden_layers not in stacked:  # the model is built from cfg next
+        raise ValueError(f"{root / LLM_JAX_CONFIG}: num_hidden_layers={cfg.num_hidden_layers}, "
+                         f"but the stacked layer tensors in {store.files[0]} hold "
+                         f"{sorted(stacked)} layers")
 
 
 def _llm_jax_params(root: Path, cfg: ModelConfig,
@@ -609,14 +673,30 @@ def _llm_jax_params(root: Path, cfg: ModelConfig,
     if unused:
         raise ValueError(
             f"{root / LLM_JAX_PARAMS} has tensor(s) the model does not have: {unused[:5]}")
-    return {k: np.asarray(store.get(k, t.shape)).astype(t.dtype) for k, t in targets.items()}
+    missing = sorted(set(targets) - set(store.names()))
+    if missing:
+        raise ValueError(f"{root / LLM_JAX_PARAMS} is missing tensor(s) {missing[:5]}, which "
+                         f"{root / LLM_JAX_CONFIG} implies")
+    for k, t in targets.items():  # every shape before the first read
+        _check_tensor(store, k, tuple(t.shape), False, root / LLM_JAX_CONFIG, cfg, {})
+    return {k: np.asarray(store.get(k)).astype(t.dtype) for k, t in targets.items()}
+
+
+def openai_config_to_model_config(d: Mapping[str, Any],
+                                  source: str = "OpenAI gpt-oss config.json") -> ModelConfig:
+    f = Fields(d, source)
+    missing = [k for k in ARCH_FIELDS if k not in f.d]
+    if missing:
+        raise ValueError(f"{source} is missing {missing}")
+    return _model_config(f, ARCH_FIELDS)
 
 
 def _openai_config(root: Path) -> ModelConfig:
-    cfg = openai_config_to_model_config(_read_json(root / "config.json"))
-    store = TensorStore(sorted(root.glob("*.safetensors")))
+    path = root / "config.json"
+    cfg = openai_config_to_model_config(read_json_object(path), str(path))
+    store = _openai_store(root)
     if "embedding.weight" in store:  # OpenAI's config.json has no dtype; take the weights'
-        dt = store.get("embedding.weight").dtype
+        dt = store.info("embedding.weight").dtype
         name = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
                 np.dtype(np.float16): "float16"}.get(dt)
         if name:
@@ -642,16 +722,27 @@ def _orbax_params(root: Path, cfg: ModelConfig,
     return {k: flat[k].astype(t.dtype) for k, t in targets.items() if k in flat}
 
 
+_HF_NAMES = {"num_experts": "num_local_experts", "experts_per_token": "num_experts_per_tok"}
+
+
+def _openai_store(root: Path) -> TensorStore:
+    return TensorStore(sorted(root.glob("*.safetensors")))
+
+
 FORMATS: dict[str, _Format] = {
-    "orbax": _Format(_orbax_config, _orbax_params),
-    "llm_jax": _Format(_llm_jax_config, _llm_jax_params),
+    "orbax": _Format(_orbax_config, lambda root, cfg: None, _orbax_params),
+    "llm_jax": _Format(_llm_jax_config, _llm_jax_check, _llm_jax_params),
     "hf": _Format(
-        lambda root: hf_config_to_model_config(_read_json(root / "config.json")),
+        lambda root: hf_config_to_model_config(read_json_object(root / "config.json"),
+                                               str(root / "config.json")),
+        lambda root, cfg: _check_specs(_hf_store(root), _hf_specs(cfg), cfg,
+                                       root / "config.json", _HF_NAMES),
         lambda root, cfg, t: _read_specs(_hf_store(root), _hf_specs(cfg), cfg, t)),
     "openai": _Format(
         _openai_config,
-        lambda root, cfg, t: _read_specs(TensorStore(sorted(root.glob("*.safetensors"))),
-                                         _openai_specs(cfg), cfg, t)),
+        lambda root, cfg: _check_specs(_openai_store(root), _openai_specs(cfg), cfg,
+                                       root / "config.json", {}),
+        lambda root, cfg, t: _read_specs(_openai_store(root), _openai_specs(cfg), cfg, t)),
 }
 
 
@@ -670,9 +761,12 @@ def _abstract_targets(cfg: ModelConfig) -> tuple[nnx.Module, dict[str, jax.Shape
     return model, targets
 
 
-def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> nnx.Module:
-    """A Transformer for `cfg` holding `params` (flat keys), built without random initialisation."""
-    model, targets = _abstract_targets(cfg)
+def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray],
+                      abstract: tuple[nnx.Module, dict[str, jax.ShapeDtypeStruct]] | None = None
+                      ) -> nnx.Module:
+    """A Transformer for `cfg` holding `params` (flat keys), built without random initialisation
+    (`abstract`: `_abstract_targets(cfg)` if the caller has it already)."""
+    model, targets = abstract or _abstract_targets(cfg)
     missing = sorted(set(targets) - set(params))
     if missing:
         raise ValueError(f"params are missing {missing}")
@@ -712,8 +806,9 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, **overrides: 
     fmt, root = detect_format(path)
     reader = FORMATS[fmt]
     cfg = _apply_overrides(reader.config(root), dtype, overrides)
-    _, targets = _abstract_targets(cfg)
-    return model_from_params(cfg, reader.params(root, cfg, targets))
+    reader.check(root, cfg)  # the headers against the config, before a model is built from it
+    abstract = _abstract_targets(cfg)
+    return model_from_params(cfg, reader.params(root, cfg, abstract[1]), abstract)
 
 
 # ====================================================================== writers
