@@ -89,9 +89,9 @@ def global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.NamedShard
                  ) -> dict[str, jax.Array]:
     """The global batch from this process's rows (its 1/P of the batch, any P, including 1).
 
-    Process p's rows become the rows of the global array held by p's devices, so the global
-    batch is the same set of sequences for every process count (the order may differ, which a
-    mean loss does not see).
+    Process p's rows become the rows of the global array held by p's devices. Which sequences
+    those are is the data pipeline's choice: each process streams its own share of the shards,
+    so the data order depends on the process count (docs/training.md, "Data").
     """
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
             for k, v in local.items()}
