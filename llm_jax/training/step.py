@@ -71,9 +71,25 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
     )
 
 
-def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=seed)), nnx.Param)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+ModelFn = Callable[..., nnx.Module]  # called as model_fn(rngs=nnx.Rngs(...))
+
+
+def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
+               model_fn: ModelFn | None = None, trainable: Any = nnx.Param) -> TrainState:
+    """Fresh params from `model_fn` (default: the Transformer); optimizer state only for the
+    `trainable` ones (training/finetune.py: the LoRA adapters)."""
+    model = (model_fn or functools.partial(Transformer, cfg))(rngs=nnx.Rngs(params=seed))
+    params = nnx.state(model, nnx.Param)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params.filter(trainable)))
+
+
+def masked_mean(x_BT: jax.Array, mask_BT: jax.Array | None) -> jax.Array:
+    """Mean over the tokens the mask keeps (SFT: assistant targets); all tokens without one."""
+    if mask_BT is None:
+        return x_BT.mean()
+    m = mask_BT.astype(x_BT.dtype)
+    return (x_BT * m).sum() / jnp.maximum(m.sum(), 1.0)
 
 
 def loss_fn(
@@ -84,8 +100,10 @@ def loss_fn(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy + weighted MoE auxiliary losses (Switch load balancing, router z-loss)."""
     model = nnx.merge(graphdef, params)
-    logits_BTV, aux = model(batch["inputs"], train=True, return_aux=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"]).mean()
+    logits_BTV, aux = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                            train=True, return_aux=True)
+    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    ce = masked_mean(ce_BT, batch.get("loss_mask"))
     lb = aux.load_balancing_loss.mean()
     z = aux.router_z_loss.mean()
     loss = ce + train.load_balancing_loss_weight * lb + train.router_z_loss_weight * z
@@ -101,19 +119,22 @@ def train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
     train: ml_collections.ConfigDict,
+    trainable: Any = nnx.Param,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update from `grad_accum_steps` microbatches of the global batch."""
-    loss = functools.partial(loss_fn, graphdef=graphdef, train=train)
+    """One optimizer update from `grad_accum_steps` microbatches of the global batch; only the
+    `trainable` params get gradients and updates (the rest is frozen)."""
+    trained, frozen = state.params.split(trainable, ...)
+    loss = lambda p, batch: loss_fn(nnx.merge_state(p, frozen), graphdef, batch, train)
     loss = faults.poison_loss(loss, state.step, train.get("inject_nan_at_step", -1))
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     a = train.grad_accum_steps
     if a == 1:
-        (_, metrics), grads = grad_fn(state.params, batch=batch)
+        (_, metrics), grads = grad_fn(trained, batch=batch)
     else:
         micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
 
         def accumulate(carry, mb):
-            (_, m), g = grad_fn(state.params, batch=mb)
+            (_, m), g = grad_fn(trained, batch=mb)
             return jax.tree.map(jnp.add, carry, (g, m)), None
 
         (_, metrics_shape), grads_shape = jax.eval_shape(
@@ -122,23 +143,26 @@ def train_step(
         (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
         grads, metrics = jax.tree.map(lambda x: x / a, (grads, metrics))
     grad_norm = optax.global_norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
+    params = optax.apply_updates(trained, updates)
     # One scalar the loop reads per step (llm_jax.train): a non-finite update is never saved.
     finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm)
     if train.get("skip_nonfinite_updates", False):  # keep the old params and moments
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+                                         (params, opt_state), (trained, state.opt_state))
     metrics = {**metrics, "grad_norm": grad_norm, "finite": finite,
                "lr": learning_rate_schedule(train)(state.step)}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return TrainState(step=state.step + 1, params=nnx.merge_state(params, frozen),
+                      opt_state=opt_state), metrics
 
 
 def eval_step(params: nnx.State, batch: Batch, *, graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
     """Sums over the batch: negative log-likelihood (nats), tokens, and target UTF-8 bytes."""
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    logits = nnx.merge(graphdef, params)(batch["inputs"], batch.get("positions"),
+                                         batch.get("segment_ids"))
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    out = {"nll": nll.sum(), "tokens": jnp.asarray(nll.size, jnp.float32)}
+    weight = jnp.ones_like(nll) if "loss_mask" not in batch else batch["loss_mask"].astype(nll.dtype)
+    out = {"nll": (nll * weight).sum(), "tokens": weight.sum()}
     if "target_bytes" in batch:
         out["bytes"] = batch["target_bytes"].sum().astype(jnp.float32)
     return out
@@ -156,14 +180,18 @@ class Steps(flax.struct.PyTreeNode):
 
 
 def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh,
-                  seed: int) -> Steps:
-    """Jitted init/train/eval with shardings derived from the params' logical axes."""
+                  seed: int, model_fn: ModelFn | None = None,
+                  trainable: Any = nnx.Param) -> Steps:
+    """Jitted init/train/eval with shardings derived from the params' logical axes;
+    `model_fn`/`trainable` as in init_state (LoRA: training/finetune.py)."""
     if train.batch_size % train.grad_accum_steps:
         raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
                          f"train.grad_accum_steps={train.grad_accum_steps}")
     tx = make_optimizer(train)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
-    abstract = jax.eval_shape(lambda: init_state(cfg, tx, seed))
+    model_fn = model_fn or functools.partial(Transformer, cfg)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0))))
+    init_fn = functools.partial(init_state, cfg, tx, seed, model_fn, trainable)
+    abstract = jax.eval_shape(init_fn)
     state_sh = state_shardings(abstract, mesh)
     check_divisible(abstract.params, state_sh.params, what="params")
     batch_sh = batch_sharding(mesh)
@@ -176,9 +204,9 @@ def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh
             f"{'x'.join(f'{a}={n}' for a, n in axes.items())} = {math.prod(axes.values())}")
     rep = replicated(mesh)
     # Traced under the mesh, so activation constraints and the expert-parallel MoE see it.
-    init = jax.jit(with_mesh(lambda: init_state(cfg, tx, seed), mesh), out_shardings=state_sh)
-    step = jax.jit(with_mesh(functools.partial(train_step, graphdef=graphdef, tx=tx, train=train),
-                             mesh),
+    init = jax.jit(with_mesh(init_fn, mesh), out_shardings=state_sh)
+    step = jax.jit(with_mesh(functools.partial(train_step, graphdef=graphdef, tx=tx, train=train,
+                                               trainable=trainable), mesh),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
                    donate_argnums=(0,))
     evaluate = jax.jit(with_mesh(functools.partial(eval_step, graphdef=graphdef), mesh),
