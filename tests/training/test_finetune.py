@@ -27,6 +27,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from flax import nnx  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
+from llm_jax.export import export  # noqa: E402
 from llm_jax.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from llm_jax.data.sft import make_sft_data, tokenize_conversation  # noqa: E402
 from llm_jax.model.lora import LoRAParam, add_lora  # noqa: E402
@@ -206,6 +207,16 @@ def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl
     np.testing.assert_array_equal(np.asarray(model.layers.attn.q_proj[...]),
                                   np.asarray(base.layers.attn.q_proj[...]))  # frozen
     assert np.abs(np.asarray(model.layers.mlp.down_proj_lora_b[...])).max() > 0
+    # The trained run exported: merged HF checkpoint (+ tokenizer) and the adapters alone.
+    export(str(tmp_path / "run"), hf=str(tmp_path / "hf"), adapters=str(tmp_path / "ad"))
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 20))
+    hf = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        got = hf.eval()(torch.from_numpy(tokens)).logits.numpy()
+    assert np.abs(got - np.asarray(model(jnp.asarray(tokens, jnp.int32)))).max() < 1e-4
+    assert HFTokenizer(tmp_path / "hf").vocab_size == HFTokenizer(ckpt).vocab_size
+    assert (tmp_path / "ad" / "adapters.safetensors").is_file()
     # Resuming reads the workdir's checkpoint, not init_from (gone now).
     (src / "model.safetensors").unlink()
     cfg.train.num_steps = 14
