@@ -257,3 +257,22 @@ def test_malformed_jsonl_is_named_and_skipped_or_refused(ckpt, jsonl, tmp_path):
     sft.on_bad_line = "stop"
     with pytest.raises(ValueError, match=f"malformed SFT line {bad}:3:"):
         make_sft_data(sft, tokenizer_path=str(ckpt), seq_len=64, batch_size=2, seed=0)
+
+
+def test_describe_lora_memory_is_adapters_only():
+    from llm_jax.model.lora_costs import finetune_memory_per_device
+
+    cfg = runpy.run_path(str(CONFIGS / "gpt_oss_20b.py"))["get_config"]()
+    from llm_jax.training.run_config import model_config
+
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+    m = finetune_memory_per_device(model_config(cfg), batch=8, seq_len=4096,
+                                   mesh={"data": 1, "fsdp": 8, "tensor": 1, "expert": 1},
+                                   rank=16, targets=targets)
+    full, lora = m["full"], m["lora"]
+    assert lora["adam_m_v"] == 2 * lora["grads"] < full["adam_m_v"] / 50
+    assert full["params"] < lora["params"] < 1.05 * full["params"]
+    # 20b: 24 layers x (q, k, v, o and 32 experts x (gate_up + down)) x r x (in + out)
+    assert m["adapter_params"] == 24 * 16 * (
+        (2880 + 64 * 64) + 2 * (2880 + 8 * 64) + (64 * 64 + 2880)
+        + 32 * ((2880 + 2 * 2880) + (2880 + 2880)))
