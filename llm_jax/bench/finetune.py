@@ -44,8 +44,8 @@ def run(*, repeats: int, quick: bool, steps: int, shape: tuple[int, int],
         opt = sum(x.nbytes for x in jax.tree.leaves(t.state.opt_state))
         rows.append({"mode": name, "tokens_per_sec": steps * batch_size * seq_len
                      / median(times[name]), "optimizer_state_bytes": opt})
-    return {"rows": rows, "batch": batch_size, "seq_len": seq_len, "rank": rank,
-            "repeats": repeats, "steps": steps, "machine": machine()}
+    return {"benchmark": "finetune", "rows": rows, "batch": batch_size, "seq_len": seq_len,
+            "rank": rank, "repeats": repeats, "steps": steps, "machine": machine()}
 
 
 def format_result(r: dict[str, Any]) -> str:
