@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llm_jax.weights import formats as checkpoint_io
@@ -30,14 +30,24 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | None = No
     """Loads `src` (format detected), writes it to `dst` in format `to`; returns `dst`."""
     if to not in WRITERS:
         raise ValueError(f"--to={to!r} is invalid: expected one of {sorted(WRITERS)}")
+    check_destination(dst, overwrite)
+    model = checkpoint_io.load_pretrained(src, dtype=dtype)
+    return write_atomically(dst, lambda tmp: WRITERS[to](model, tmp))
+
+
+def check_destination(dst: str | Path, overwrite: bool, flag: str = "--dst") -> None:
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
-        raise ValueError(f"--dst {dst} exists and is not empty; pass --overwrite to replace it")
-    model = checkpoint_io.load_pretrained(src, dtype=dtype)
+        raise ValueError(f"{flag} {dst} exists and is not empty; pass --overwrite to replace it")
+
+
+def write_atomically(dst: str | Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` into a temporary sibling of `dst`, then renamed into place."""
+    dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        WRITERS[to](model, tmp)
+        write(tmp)
         if dst.exists():  # move the old one aside first, so that no moment has neither
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
             os.replace(dst, old / dst.name)

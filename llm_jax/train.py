@@ -39,7 +39,8 @@ from llm_jax.runtime.peak import measure_peak_flops
 from llm_jax.training.preemption import Interrupted, StopRequest
 from llm_jax.training.run_config import model_config, validate_run_config
 from llm_jax.parallel.sharding import mesh_from_config
-from llm_jax.training.step import Steps, compile_steps
+from llm_jax.training import finetune
+from llm_jax.training.step import Steps, compile_steps, make_optimizer
 from llm_jax.training.workdir_lock import hold_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file, e.g. configs/tiny.py.",
@@ -76,14 +77,17 @@ def evaluate(steps: Steps, params: Any, data: Any, num_batches: int) -> dict[str
 
 
 def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
-                num_samples: int = 3, max_new_tokens: int = 64) -> list[str]:
+                num_samples: int = 3, max_new_tokens: int = 64,
+                model_fn: Any = None) -> list[str]:
     """A few continuations of short code prompts, to see what the model learned."""
     from flax import nnx
 
     from llm_jax.inference import sample
     from llm_jax.model import abstract_model
 
-    model = nnx.merge(nnx.graphdef(abstract_model(cfg)), jax.device_get(params))
+    abstract = abstract_model(cfg) if model_fn is None else \
+        nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0)))
+    model = nnx.merge(nnx.graphdef(abstract), jax.device_get(params))
     prompts = (["def ", "import ", "class ", "for ", "    return "] * num_samples)[:num_samples]
     ids = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]  # documents start so
     out = sample(model, ids, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
@@ -105,8 +109,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     from tqdm import tqdm
 
     from llm_jax.data import make_datasets
+    from llm_jax.data.sft import make_sft_data
 
-    mcfg = model_config(cfg)
     tc = cfg.train
     is_main = jax.process_index() == 0
     mesh = mesh_from_config(cfg.mesh)
@@ -119,6 +123,12 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     # are reported and moved to WORKDIR/corrupt_checkpoints. Refuse a changed model before any
     # expensive work.
     latest, saved_config = ckpt.first_restorable(ckpt.restore_config, move_bad=True)
+    if tc.init_from:  # a resumed run keeps its own weights and config: init_from is not read
+        base = (ModelConfig.from_dict(saved_config["model"]) if latest is not None
+                else finetune.pretrained_config(tc.init_from))
+        mcfg = finetune.resolve_model_config(cfg.model, base, tc.init_from)
+    else:
+        mcfg = model_config(cfg)
     if latest is not None:
         check_same_model(saved_config, mcfg, ckpt.directory)
     else:
@@ -127,18 +137,27 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     # Process 0 builds the tokenizer (and a local TFDS build) in the workdir; the others read them.
     if not is_main:
         distributed.barrier("data")
-    data = make_datasets(cfg.data, workdir=workdir, vocab_size=mcfg.vocab_size,
-                         global_batch_size=tc.batch_size)
+    sft = bool(cfg.sft.files or cfg.sft.tfds_name)
+    if sft:
+        data = make_sft_data(cfg.sft, tokenizer_path=cfg.sft.tokenizer or tc.init_from,
+                             seq_len=cfg.data.seq_len, batch_size=tc.batch_size, seed=cfg.seed)
+    else:
+        data = make_datasets(cfg.data, workdir=workdir, vocab_size=mcfg.vocab_size,
+                             global_batch_size=tc.batch_size)
     if is_main:
         distributed.barrier("data")
-    if data.tokenizer.vocab_size != mcfg.vocab_size:
+    if sft and data.tokenizer.vocab_size > mcfg.vocab_size:
+        raise ValueError(f"tokenizer {data.tokenizer.path} has {data.tokenizer.vocab_size} "
+                         f"tokens, more than the model's vocab_size={mcfg.vocab_size}")
+    if not sft and data.tokenizer.vocab_size != mcfg.vocab_size:
         raise ValueError(f"tokenizer in {workdir} has vocab {data.tokenizer.vocab_size}, "
                          f"model.vocab_size is {mcfg.vocab_size}")
     if latest is not None:  # refused here: Orbax failing on it would quarantine the checkpoint
         data.check_checkpoint(ckpt.step_dir(latest))
     if stop.signum:  # a signal during start-up: nothing new to save
         raise Interrupted(f"stopped by signal {stop.signum} before training", -1, stop.signum)
-    steps = compile_steps(mcfg, tc, mesh, cfg.seed)
+    build = finetune.model_fn(mcfg, cfg.lora, cfg.seed)
+    steps = compile_steps(mcfg, tc, mesh, cfg.seed, build, finetune.trainable(cfg.lora))
     progress: dict[str, Any] = {}
     fresh_data = data.train_iter.get_state()  # a failed restore may have moved the iterator
     if latest is not None:
@@ -148,7 +167,12 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     if latest is None:
         ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
         data.train_iter.set_state(fresh_data)
-        state = steps.init()
+        if tc.init_from:
+            state = finetune.initial_state(steps, make_optimizer(tc), tc.init_from, mcfg,
+                                           cfg.lora, cfg.seed)
+            logging.info("initialised from %s (optimizer fresh)", tc.init_from)
+        else:
+            state = steps.init()
     else:
         state, progress = restored
         logging.info("resumed from step %d in %s", latest, ckpt.directory)
@@ -165,7 +189,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     logging.info("model: %s params (%s active); %.3g train FLOPs/token; peak %.3g FLOP/s (%s)",
                  f"{describe.total_params(mcfg):,}", f"{describe.active_params(mcfg):,}",
                  flops_per_token, peak, mcfg.dtype)
-    config_json = cfg.to_dict()
+    config_json = cfg.to_dict() | {"model": mcfg.to_dict()}  # init_from's config resolved
     proto = getattr(data.tokenizer, "_proto", None)
 
     def check_finite(step: int, finite: Any) -> None:
@@ -265,7 +289,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
         samples = []
         if tc.num_samples and jax.process_count() == 1:  # multi-host params are not all here
             samples = sample_text(state.params, mcfg, data.tokenizer, seed=cfg.seed,
-                                  num_samples=tc.num_samples)
+                                  num_samples=tc.num_samples, model_fn=build)
         with open(os.path.join(workdir, "samples.txt"), "w") as f:
             f.write("\n\n".join(samples))
         for s in samples:

@@ -29,6 +29,9 @@ EXPECTED = {
     "decode": lambda r: all(row["llm_jax"]["decode_tokens_per_s"] > 0 for row in r["decode"]),
     "prefill": lambda r: all(row["prefill_s"] > 0 and row["peak_rss_bytes"] > 2**20
                              for row in r["rows"]),
+    "finetune": lambda r: [row["mode"] for row in r["rows"]] == ["full", "lora", "lora_attn"]
+    and all(row["tokens_per_sec"] > 0 for row in r["rows"])
+    and r["rows"][1]["optimizer_state_bytes"] < r["rows"][0]["optimizer_state_bytes"],
 }
 EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf"]}
 

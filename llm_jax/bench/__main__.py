@@ -1,6 +1,6 @@
 """`python -m llm_jax.bench SUBCOMMAND`: print a table, write JSON (--json_out).
 
-Subcommands: peak, train, decode, prefill, moe, norm, attention, data (one module each in llm_jax/bench/).
+Subcommands: peak, train, decode, prefill, moe, norm, attention, data, finetune (one module each in llm_jax/bench/).
 Every one takes --repeats N, --quick (tiny sizes, for tests) and --json_out FILE (default
 runs/bench/SUBCOMMAND.json). Results and how to read them: docs/benchmarks.md.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from llm_jax.runtime.malloc import use_preferred_malloc
 
-SUBCOMMANDS = ("peak", "train", "decode", "prefill", "moe", "norm", "attention", "data")
+SUBCOMMANDS = ("peak", "train", "decode", "prefill", "moe", "norm", "attention", "data", "finetune")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,11 +61,13 @@ def random_batch(vocab: int, batch: int, seq_len: int, seed: int = 0) -> dict[st
 class JaxTrainer:
     """`compile_steps`' train step on one device, called `steps` times per call."""
 
-    def __init__(self, cfg: ModelConfig, train_cfg, batch: dict[str, np.ndarray], seed: int = 0):
+    def __init__(self, cfg: ModelConfig, train_cfg, batch: dict[str, np.ndarray], seed: int = 0,
+                 **compile_kw: Any):
         from llm_jax.parallel.sharding import make_mesh
         from llm_jax.training.step import compile_steps
 
-        self.steps = compile_steps(cfg, train_cfg, make_mesh(devices=jax.devices()[:1]), seed)
+        self.steps = compile_steps(cfg, train_cfg, make_mesh(devices=jax.devices()[:1]), seed,
+                                   **compile_kw)
         self.state = self.steps.init()
         self.batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()},
                                     self.steps.batch_sharding)

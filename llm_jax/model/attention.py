@@ -23,6 +23,7 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.model.blockwise_attention import blockwise_attend, use_blockwise
 from llm_jax.model.kv_cache import LayerCache, append, fill, ring_positions
+from llm_jax.model.lora import adapted
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
 from llm_jax.parallel.sharding import constrain
@@ -103,9 +104,9 @@ class Attention(nnx.Module):
         """Projected q [B,T,N,H] and k, v [B,T,K,H], RoPE applied to q and k."""
         cdt = self.cfg.compute_dtype
         x = x_BTD.astype(cdt)
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(cdt)) + self.q_bias[...].astype(cdt)
-        k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(cdt)) + self.k_bias[...].astype(cdt)
-        v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(cdt)) + self.v_bias[...].astype(cdt)
+        q = jnp.einsum("BTD,DNH->BTNH", x, adapted(self, "q_proj", cdt)) + self.q_bias[...].astype(cdt)
+        k = jnp.einsum("BTD,DKH->BTKH", x, adapted(self, "k_proj", cdt)) + self.k_bias[...].astype(cdt)
+        v = jnp.einsum("BTD,DKH->BTKH", x, adapted(self, "v_proj", cdt)) + self.v_bias[...].astype(cdt)
         cos, sin = rope_cos_sin(positions_BT, self.cfg)
         q_axes, kv_axes = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads",
                                                                        "head_dim")
@@ -114,7 +115,7 @@ class Attention(nnx.Module):
 
     def out(self, o_BTNH: jax.Array) -> jax.Array:
         cdt = self.cfg.compute_dtype
-        return jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(cdt)) \
+        return jnp.einsum("BTNH,NHD->BTD", o_BTNH, adapted(self, "o_proj", cdt)) \
             + self.o_bias[...].astype(cdt)
 
     def __call__(

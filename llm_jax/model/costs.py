@@ -477,7 +477,7 @@ def describe(
     mesh: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The whole report as JSON-able data (what --json prints)."""
-    cfg = ModelConfig.from_dict(run_cfg.model.to_dict())
+    cfg = _model_of(run_cfg)
     seq_len = run_cfg.data.seq_len if seq_len is None else seq_len
     batch = run_cfg.train.batch_size if batch is None else batch
     for name, value in (("seq_len", seq_len), ("batch", batch)):
@@ -521,7 +521,30 @@ def describe(
             "table": kv_cache_table(cfg),
         },
         "memory_per_device": memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh),
+        "finetune_memory_per_device": _finetune_memory(run_cfg, cfg, batch, seq_len, mesh),
     }
+
+
+def _model_of(run_cfg: ml_collections.ConfigDict) -> ModelConfig:
+    """The run's ModelConfig; a fine-tuning config's (None fields) from train.init_from."""
+    model = run_cfg.model.to_dict()
+    if any(v is None for v in model.values()) and run_cfg.train.get("init_from"):
+        from llm_jax.training.finetune import pretrained_config, resolve_model_config
+        return resolve_model_config(run_cfg.model, pretrained_config(run_cfg.train.init_from),
+                                    run_cfg.train.init_from)
+    return ModelConfig.from_dict(model)
+
+
+def _finetune_memory(run_cfg: ml_collections.ConfigDict, cfg: ModelConfig, batch: int,
+                     seq_len: int, mesh: dict[str, int]) -> dict[str, Any]:
+    """Full vs LoRA fine-tuning at the config's lora.rank (rank 16 when it is 0)."""
+    from llm_jax.model.lora_costs import finetune_memory_per_device
+
+    lora = run_cfg.get("lora") or ml_collections.ConfigDict({"rank": 0, "targets": ""})
+    targets = tuple(t.strip() for t in lora.targets.split(",") if t.strip()) or (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+    return finetune_memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh,
+                                      rank=lora.rank or 16, targets=targets)
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -563,6 +586,13 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [f"{n:<12} {_bytes(m[n]):>11}" for n in
               ("params", "grads", "adam_m_v", "activations", "total")]
     lines += ["assumptions:"] + [f"- {a}" for a in m["assumptions"]]
+    ft = r["finetune_memory_per_device"]
+    lines += ["", f"## Fine-tuning memory per device: full vs LoRA rank {ft['rank']} "
+              f"({ft['adapter_params']:,} adapter params on {','.join(ft['targets'])})",
+              f"{'':<14} {'full':>11} {'LoRA':>11}"]
+    lines += [f"{n:<14} {_bytes(ft['full'].get(n, 0.0)):>11} {_bytes(ft['lora'][n]):>11}"
+              for n in ("params", "grads", "adam_m_v", "adapted_layer", "activations", "total")]
+    lines += [f"- {a}" for a in ft["assumptions"]]
     return "\n".join(lines)
 
 

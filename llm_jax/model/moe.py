@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.model.lora import adapted
 from llm_jax.model.moe_dispatch import ExpertWeights, Routing, select_dispatch
 from llm_jax.model.params import normal, param, zeros
 
@@ -67,8 +68,8 @@ class MoE(nnx.Module):
     def expert_weights(self) -> ExpertWeights:
         cdt = self.cfg.compute_dtype
         return ExpertWeights(
-            self.gate_up_proj[...].astype(cdt), self.gate_up_proj_bias[...].astype(cdt),
-            self.down_proj[...].astype(cdt), self.down_proj_bias[...].astype(cdt),
+            adapted(self, "gate_up_proj", cdt), self.gate_up_proj_bias[...].astype(cdt),
+            adapted(self, "down_proj", cdt), self.down_proj_bias[...].astype(cdt),
         )
 
     def __call__(self, x_BTD: jax.Array, *, train: bool = False) -> tuple[jax.Array, MoEAux]:

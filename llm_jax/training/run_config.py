@@ -58,6 +58,25 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     # it in the metrics as skipped_updates (docs/reliability.md).
     cfg.train.skip_nonfinite_updates = False
     cfg.train.inject_nan_at_step = -1  # fault injection (llm_jax.faults): NaN loss at step N
+    # Fine-tuning (docs/finetuning.md): any directory load_pretrained reads (HF, OpenAI original/,
+    # llm_jax, a training workdir). Params and model config come from it; a resumed run restores
+    # its own checkpoint instead.
+    cfg.train.init_from = ""
+
+    # SFT data (llm_jax/data/sft.py); used when files or tfds_name is set, else `data` is.
+    cfg.sft = ml_collections.ConfigDict()
+    cfg.sft.files = ""  # glob of JSONL files of {"messages": [...]} or {"prompt", "completion"}
+    cfg.sft.tfds_name = ""  # or a TFDS dataset with such features
+    cfg.sft.tfds_split = "train"
+    cfg.sft.data_dir = ""  # TFDS data_dir; "" = TFDS's default
+    cfg.sft.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
+    cfg.sft.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
+
+    # LoRA (llm_jax/model/lora.py): rank 0 = full fine-tuning.
+    cfg.lora = ml_collections.ConfigDict()
+    cfg.lora.rank = 0
+    cfg.lora.alpha = 16.0
+    cfg.lora.targets = "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj"
 
     # Device mesh (llm_jax.sharding): sizes within a slice / node; one may be -1 (the rest).
     # dcn_* multiply them across TPU slices or GPU nodes (the data-center network). See
@@ -102,7 +121,7 @@ _MIN = {  # (section, field): smallest allowed value
     ("train", "inject_nan_at_step"): -1, ("train", "grad_clip_norm"): 0,
     ("train", "weight_decay"): 0, ("train", "min_lr_ratio"): 0,
     ("checkpoint", "every_steps"): 1, ("checkpoint", "max_to_keep"): 1,
-    ("checkpoint", "inject_kill_during_save_at_step"): -1,
+    ("checkpoint", "inject_kill_during_save_at_step"): -1, ("lora", "rank"): 0,
 }
 
 

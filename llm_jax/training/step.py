@@ -71,20 +71,32 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
     )
 
 
-def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=seed)), nnx.Param)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+ModelFn = Callable[..., nnx.Module]  # called as model_fn(rngs=nnx.Rngs(...))
+
+
+def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
+               model_fn: ModelFn | None = None, trainable: Any = nnx.Param) -> TrainState:
+    """Fresh params from `model_fn` (default: the Transformer); optimizer state only for the
+    `trainable` ones (training/finetune.py: the LoRA adapters)."""
+    model = (model_fn or functools.partial(Transformer, cfg))(rngs=nnx.Rngs(params=seed))
+    params = nnx.state(model, nnx.Param)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params.filter(trainable)))
 
 
 def target_mask(batch: Batch) -> jax.Array:
-    """float32 [B, T]: 1 for targets the loss counts, 0 for padding (segment id 0).
+    """float32 [B, T]: 1 for targets the loss counts, 0 for padding (segment id 0) and for
+    targets a `loss_mask` drops (SFT: everything but the assistant's tokens).
 
     Packed batches (llm_jax.data) never hold a target from another document, so padding is
-    all there is to mask; a batch without segment ids counts every target.
+    all the segments mask; a batch without segment ids or loss mask counts every target.
     """
-    if "segment_ids" not in batch:
-        return jnp.ones(batch["targets"].shape, jnp.float32)
-    return (batch["segment_ids"] > 0).astype(jnp.float32)
+    mask = jnp.ones(batch["targets"].shape, jnp.float32)
+    if "segment_ids" in batch:
+        mask = mask * (batch["segment_ids"] > 0)
+    if "loss_mask" in batch:
+        mask = mask * batch["loss_mask"].astype(jnp.float32)
+    return mask
 
 
 def loss_fn(
@@ -116,9 +128,13 @@ def train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
     train: ml_collections.ConfigDict,
+    trainable: Any = nnx.Param,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update from `grad_accum_steps` microbatches of the global batch."""
-    loss = functools.partial(loss_fn, graphdef=graphdef, train=train)
+    """One optimizer update from `grad_accum_steps` microbatches of the global batch; only the
+    `trainable` params get gradients and updates (the rest is frozen)."""
+    trained, frozen = state.params.split(trainable, ...)
+    loss = lambda p, batch, num_targets: loss_fn(nnx.merge_state(p, frozen), graphdef, batch,  # noqa: E731
+                                                 train, num_targets)
     loss = faults.poison_loss(loss, state.step, train.get("inject_nan_at_step", -1))
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     a = train.grad_accum_steps
@@ -126,31 +142,32 @@ def train_step(
     # the a microbatches is the batch's mean, however the targets fall between them.
     per_micro = jnp.maximum(target_mask(batch).sum(), 1.0) / a
     if a == 1:
-        (_, metrics), grads = grad_fn(state.params, batch=batch, num_targets=per_micro)
+        (_, metrics), grads = grad_fn(trained, batch=batch, num_targets=per_micro)
     else:
         micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
 
         def accumulate(carry, mb):
-            (_, m), g = grad_fn(state.params, batch=mb, num_targets=per_micro)
+            (_, m), g = grad_fn(trained, batch=mb, num_targets=per_micro)
             return jax.tree.map(jnp.add, carry, (g, m)), None
 
         (_, metrics_shape), grads_shape = jax.eval_shape(
-            grad_fn, state.params, batch=jax.tree.map(lambda x: x[0], micro),
+            grad_fn, trained, batch=jax.tree.map(lambda x: x[0], micro),
             num_targets=per_micro)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, metrics_shape))
         (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
         grads, metrics = jax.tree.map(lambda x: x / a, (grads, metrics))
     grad_norm = optax.global_norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
+    params = optax.apply_updates(trained, updates)
     # One scalar the loop reads per step (llm_jax.train): a non-finite update is never saved.
     finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm)
     if train.get("skip_nonfinite_updates", False):  # keep the old params and moments
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+                                         (params, opt_state), (trained, state.opt_state))
     metrics = {**metrics, "grad_norm": grad_norm, "finite": finite,
                "lr": learning_rate_schedule(train)(state.step)}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return TrainState(step=state.step + 1, params=nnx.merge_state(params, frozen),
+                      opt_state=opt_state), metrics
 
 
 def eval_step(params: nnx.State, batch: Batch, *, graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
@@ -178,14 +195,18 @@ class Steps(flax.struct.PyTreeNode):
 
 
 def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh,
-                  seed: int) -> Steps:
-    """Jitted init/train/eval with shardings derived from the params' logical axes."""
+                  seed: int, model_fn: ModelFn | None = None,
+                  trainable: Any = nnx.Param) -> Steps:
+    """Jitted init/train/eval with shardings derived from the params' logical axes;
+    `model_fn`/`trainable` as in init_state (LoRA: training/finetune.py)."""
     if train.batch_size % train.grad_accum_steps:
         raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
                          f"train.grad_accum_steps={train.grad_accum_steps}")
     tx = make_optimizer(train)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
-    abstract = jax.eval_shape(lambda: init_state(cfg, tx, seed))
+    model_fn = model_fn or functools.partial(Transformer, cfg)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0))))
+    init_fn = functools.partial(init_state, cfg, tx, seed, model_fn, trainable)
+    abstract = jax.eval_shape(init_fn)
     state_sh = state_shardings(abstract, mesh)
     check_divisible(abstract.params, state_sh.params, what="params")
     batch_sh = batch_sharding(mesh)
@@ -198,9 +219,9 @@ def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh
             f"{'x'.join(f'{a}={n}' for a, n in axes.items())} = {math.prod(axes.values())}")
     rep = replicated(mesh)
     # Traced under the mesh, so activation constraints and the expert-parallel MoE see it.
-    init = jax.jit(with_mesh(lambda: init_state(cfg, tx, seed), mesh), out_shardings=state_sh)
-    step = jax.jit(with_mesh(functools.partial(train_step, graphdef=graphdef, tx=tx, train=train),
-                             mesh),
+    init = jax.jit(with_mesh(init_fn, mesh), out_shardings=state_sh)
+    step = jax.jit(with_mesh(functools.partial(train_step, graphdef=graphdef, tx=tx, train=train,
+                                               trainable=trainable), mesh),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
                    donate_argnums=(0,))
     evaluate = jax.jit(with_mesh(functools.partial(eval_step, graphdef=graphdef), mesh),

@@ -1,0 +1,198 @@
+"""SFT data: conversations rendered with the checkpoint's chat template, loss on assistant tokens
+only, packed into fixed rows whose examples never attend to each other.
+
+Sources: JSONL files of `{"messages": [{"role", "content"}, ...]}` or `{"prompt", "completion"}`
+lines, or a TFDS dataset by name with such a feature. Assistant spans are found by rendering
+prefixes: message i's span runs from the end of `render(messages[:i], add_generation_prompt)` to
+where `render(messages[:i+1])` stops agreeing with the full rendering, and a token is an
+assistant token when its first character lies in a span.
+
+Batch (T = seq_len): inputs, targets int32 [B, T]; positions int32 [B, T] (from 0 in each
+example); segment_ids int32 [B, T] (1, 2, ... per example in a row; 0 = padding); loss_mask
+float32 [B, T] (1 where the target is an assistant token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+from absl import logging
+
+from llm_jax.data.hf_tokenizer import HFTokenizer, Message
+
+ON_BAD_LINE = ("skip", "stop")
+
+
+@dataclasses.dataclass
+class BadLines:
+    """What was skipped, for the log and the run's metrics."""
+
+    count: int = 0
+    first: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, where: str) -> None:
+        self.count += 1
+        if len(self.first) < 5:
+            self.first.append(where)
+
+
+def to_messages(record: Any) -> list[Message]:
+    """A record as a list of messages; raises ValueError saying what is wrong with it."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("'messages' must be a non-empty list")
+        for j, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ValueError(f"messages[{j}] needs string 'role' and 'content'")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise ValueError("no assistant message: nothing to learn from")
+        return msgs
+    if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+        return [{"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["completion"]}]
+    raise ValueError("expected 'messages' or string 'prompt' and 'completion' fields")
+
+
+def read_jsonl(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[list[Message]]:
+    """Conversations from every file matching `pattern`, in order; a bad line is named by file
+    and line and either skipped (counted in `bad`) or raised."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise ValueError(f"sft.files={pattern!r} matches no file")
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield to_messages(json.loads(line))
+                except (json.JSONDecodeError, ValueError) as e:
+                    where = f"{path}:{lineno}: {e}"
+                    if on_bad_line == "stop":
+                        raise ValueError(f"malformed SFT line {where} (sft.on_bad_line='skip' "
+                                         "skips such lines)") from e
+                    bad.add(where)
+
+
+def read_tfds(name: str, split: str, data_dir: str | None) -> Iterator[list[Message]]:
+    import tensorflow_datasets as tfds
+
+    for ex in tfds.as_numpy(tfds.load(name, split=split, data_dir=data_dir or None)):
+        record = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in ex.items()}
+        if "messages" in record:  # a sequence feature of {role, content}
+            m = record["messages"]
+            record["messages"] = [{"role": r.decode(), "content": c.decode()}
+                                  for r, c in zip(m["role"], m["content"])]
+        yield to_messages(record)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def tokenize_conversation(tok: HFTokenizer, messages: Sequence[Message]
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids [S], assistant mask [S]) of one rendered conversation."""
+    full = tok.render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix = tok.render(messages[:i], add_generation_prompt=True)
+        if not full.startswith(prefix):
+            raise ValueError(f"the chat template renders messages[:{i}] + generation prompt as "
+                             "something that is not a prefix of the whole conversation")
+        spans.append((len(prefix), _common_prefix(tok.render(messages[:i + 1]), full)))
+    ids, offsets = tok.encode_offsets(full)
+    mask = np.zeros(len(ids), np.float32)
+    for j, (start, _) in enumerate(offsets):
+        mask[j] = any(s <= start < e for s, e in spans)
+    return np.asarray(ids, np.int32), mask
+
+
+def pack(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
+    """Greedy packing of (ids, mask) into rows of `seq_len` next-token pairs; an example longer
+    than seq_len + 1 tokens is cut (its tail dropped). Returns arrays [R, T]."""
+    rows: list[dict[str, np.ndarray]] = []
+
+    def new_row() -> dict[str, np.ndarray]:
+        rows.append({k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32)
+                     for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")})
+        rows[-1]["fill"] = np.zeros(2, np.int32)  # (tokens used, segments used)
+        return rows[-1]
+
+    row = None
+    for ids, mask in examples:
+        ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+        n = len(ids) - 1
+        if n < 1:
+            continue
+        if row is None or row["fill"][0] + n > seq_len:
+            row = new_row()
+        used, seg = row["fill"]
+        sl = slice(used, used + n)
+        row["inputs"][sl], row["targets"][sl] = ids[:-1], ids[1:]
+        row["positions"][sl] = np.arange(n)
+        row["segment_ids"][sl] = seg + 1
+        row["loss_mask"][sl] = mask[1:]
+        row["fill"] += (n, 1)
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "fill"} if rows else {}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SFTData:
+    """What the trainer needs (the same fields it reads from `pipeline.Data`)."""
+
+    train_iter: grain.DatasetIterator
+    tokenizer: HFTokenizer
+    name: str
+    rows: dict[str, np.ndarray]
+    bad_lines: BadLines
+    _batch_size: int
+
+    def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """The first `num_batches` batches of the packed rows, unshuffled (no held-out split)."""
+        n = len(self.rows["inputs"]) // self._batch_size
+        for i in range(n if num_batches is None else min(n, num_batches)):
+            sl = slice(i * self._batch_size, (i + 1) * self._batch_size)
+            yield {k: v[sl] for k, v in self.rows.items()}
+
+
+def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: int,
+                  seed: int) -> SFTData:
+    """Reads, renders, masks and packs the whole SFT set (small next to pretraining data), then
+    serves shuffled batches through Grain so the iterator checkpoints with the run."""
+    tok = HFTokenizer(tokenizer_path)
+    bad = BadLines()
+    if sft.tfds_name:
+        convs, name = read_tfds(sft.tfds_name, sft.tfds_split, sft.data_dir), sft.tfds_name
+    else:
+        convs, name = read_jsonl(sft.files, sft.on_bad_line, bad), sft.files
+    examples = [tokenize_conversation(tok, m) for m in convs]
+    if bad.count:
+        logging.warning("skipped %d malformed SFT line(s), e.g. %s", bad.count, bad.first)
+    rows = pack(examples, seq_len)
+    if not rows or len(rows["inputs"]) < batch_size:
+        raise ValueError(f"SFT data {name!r} packs into {len(rows.get('inputs', []))} rows of "
+                         f"{seq_len} tokens: fewer than train.batch_size={batch_size}")
+    logging.info("SFT data %s: %d conversations in %d rows; %.1f%% of targets are assistant "
+                 "tokens", name, len(examples), len(rows["inputs"]),
+                 100 * rows["loss_mask"].mean())
+    ds = (grain.MapDataset.range(len(rows["inputs"])).shuffle(seed=seed).repeat()
+          .map(lambda i: {k: v[i] for k, v in rows.items()})
+          .batch(batch_size, drop_remainder=True).to_iter_dataset())
+    return SFTData(iter(ds), tok, name, rows, bad, batch_size)

@@ -1,0 +1,122 @@
+"""Fine-tuning: start from pretrained weights, freeze the base under LoRA, restore and export.
+
+`train.init_from` names any directory `load_pretrained` reads. Its model config is the run's:
+a run config's `model` field left `None` (configs/finetune_*.py) takes the checkpoint's value;
+a set field must equal it unless it only chooses how the function is computed
+(formats.OVERRIDABLE_FIELDS: dtype, param_dtype, moe_dispatch, remat, ...), so a changed shape
+is refused by name. A resumed run takes the config (and params) from its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from llm_jax.config import ModelConfig
+from llm_jax.model.lora import LoRAParam, add_lora
+from llm_jax.model.transformer import Transformer
+from llm_jax.training.checkpointing import Checkpointer
+from llm_jax.training.step import ModelFn, Steps, TrainState
+from llm_jax.weights.formats import FORMATS, OVERRIDABLE_FIELDS, detect_format, load_pretrained
+
+
+def from_checkpoint_model_section() -> ml_collections.ConfigDict:
+    """A `model` section whose every field is None (= the checkpoint's) but typed, so
+    `--config.model.dtype=bfloat16` still parses."""
+    section = ml_collections.ConfigDict()
+    for f in dataclasses.fields(ModelConfig):
+        section[f.name] = ml_collections.config_dict.placeholder(
+            {"int": int, "float": float, "str": str, "bool": bool}[f.type])
+    return section
+
+
+def pretrained_config(path: str) -> ModelConfig:
+    """The model config of a checkpoint directory, without reading its weights."""
+    fmt, root = detect_format(path)
+    return FORMATS[fmt].config(root)
+
+
+def resolve_model_config(model: ml_collections.ConfigDict, base: ModelConfig,
+                         source: str) -> ModelConfig:
+    """`base` with the run's implementation overrides; any other differing field is refused."""
+    given = {k: v for k, v in model.to_dict().items() if v is not None}
+    unknown = sorted(set(given) - set(base.to_dict()))
+    if unknown:
+        raise ValueError(f"unknown model config field(s) {unknown}")
+    conflicts = {k: v for k, v in given.items()
+                 if k not in OVERRIDABLE_FIELDS and v != getattr(base, k)}
+    if conflicts:
+        lines = ", ".join(f"model.{k}={v!r} (checkpoint: {getattr(base, k)!r})"
+                          for k, v in sorted(conflicts.items()))
+        raise ValueError(f"train.init_from={source!r} fixes the model's architecture, but the "
+                         f"run config changes it: {lines}. Only {list(OVERRIDABLE_FIELDS)} may "
+                         "differ; leave the others unset (None)")
+    return base.replace(**{k: v for k, v in given.items() if k in OVERRIDABLE_FIELDS})
+
+
+def lora_targets(lora: ml_collections.ConfigDict) -> tuple[str, ...]:
+    return tuple(t.strip() for t in lora.targets.split(",") if t.strip())
+
+
+def model_fn(cfg: ModelConfig, lora: ml_collections.ConfigDict, seed: int) -> ModelFn:
+    """Builds the run's model: the Transformer, with adapters when lora.rank > 0."""
+
+    def build(*, rngs: nnx.Rngs) -> nnx.Module:
+        model = Transformer(cfg, rngs=rngs)
+        if lora.rank:
+            add_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora_targets(lora),
+                     seed=seed)
+        return model
+
+    return build
+
+
+def trainable(lora: ml_collections.ConfigDict) -> Any:
+    """What the optimizer updates (and keeps moments for): the adapters, or everything."""
+    return LoRAParam if lora.rank else nnx.Param
+
+
+def initial_state(steps: Steps, tx: optax.GradientTransformation, init_from: str,
+                  cfg: ModelConfig, lora: ml_collections.ConfigDict, seed: int) -> TrainState:
+    """Step 0 from pretrained weights (+ fresh adapters): the optimizer starts fresh."""
+    model = load_pretrained(init_from, **{k: getattr(cfg, k) for k in OVERRIDABLE_FIELDS})
+    if lora.rank:
+        add_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora_targets(lora), seed=seed)
+    sh = steps.state_sharding
+    params = jax.device_put(nnx.state(model, nnx.Param), sh.params)
+    opt_init = jax.jit(lambda p: tx.init(p.filter(trainable(lora))), out_shardings=sh.opt_state)
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), sh.step), params=params,
+                      opt_state=opt_init(params))
+
+
+def restore_finetuned(workdir: str, step: int | None = None) -> tuple[nnx.Module, dict[str, Any]]:
+    """(model with its adapters, saved run config) of a fine-tuning workdir's checkpoint."""
+    ckpt = Checkpointer(workdir, create=False, async_save=False)
+    try:
+        step = ckpt.latest_good_step() if step is None else step
+        if step is None:
+            raise ValueError(f"{ckpt.directory} holds no complete checkpoint")
+        if problem := ckpt.check(step):
+            raise ValueError(f"checkpoint step {step} in {ckpt.directory} is corrupt: {problem}")
+        run = ckpt.restore_config(step)
+        cfg = ModelConfig.from_dict(run["model"])
+        lora = ml_collections.ConfigDict(run.get("lora", {"rank": 0}))
+        abstract = nnx.eval_shape(lambda: model_fn(cfg, lora, 0)(rngs=nnx.Rngs(params=0)))
+        graphdef, target, rest = nnx.split(abstract, nnx.Param, ...)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                              target)
+        params = ckpt.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(target)))["params"]
+        return nnx.merge(graphdef, params, rest), run
+    finally:
+        ckpt.close()
+
+
