@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.blockwise_attention import blockwise_attend, use_blockwise
+from llm_jax.model.blockwise_attention import blockwise_attend
 from llm_jax.model.kv_cache import LayerCache, append, fill, ring_positions
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
@@ -143,8 +143,19 @@ class Attention(nnx.Module):
         return self.out(o), cache
 
     def self_attend(self, q, k, v, positions_BT, window, segment_ids_BT) -> jax.Array:
+        """The implementation kernels/select.py's table names for this backend and shape."""
+        from llm_jax.kernels.select import attention_impl  # imports blockwise_attention
+
         b, t = positions_BT.shape
-        if use_blockwise(b, t, t, self.cfg.num_attention_heads):  # long T: memory linear in T
+        impl = attention_impl(self.cfg, b, t, t)
+        if impl == "splash":  # positions are arange (per segment) in self-attention
+            from llm_jax.kernels.splash_attention import splash_attend
+
+            return splash_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
+                                 segment_ids_BT, segment_ids_BT,
+                                 windows=self.cfg.layer_windows,
+                                 interpret=jax.default_backend() != "tpu")
+        if impl == "blockwise":  # long T: memory linear in T
             return blockwise_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
                                     segment_ids_BT, segment_ids_BT)
         mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
