@@ -16,10 +16,12 @@ Decoding (T = 1) and shapes splash cannot take fall back to the shape rule on ev
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.blockwise_attention import use_blockwise
 
 # backend -> {"attention": name or "shape" (direct / blockwise by use_blockwise), "moe": name}
 AUTO: dict[str, dict[str, str]] = {
@@ -29,14 +31,30 @@ AUTO: dict[str, dict[str, str]] = {
 }
 
 
+_TARGET: list[str] = []  # set while tracing for other hardware (ahead-of-time compilation)
+
+
 def backend() -> str:
-    return jax.default_backend()
+    """The platform the program being traced will run on: `jax.default_backend()`, or the
+    target of an enclosing `compiling_for` (a TPU topology compiled from a CPU host)."""
+    return _TARGET[-1] if _TARGET else jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+    """Trace for `platform` ('tpu', 'gpu', 'cpu'): `auto` picks that backend's kernels."""
+    _TARGET.append(platform)
+    try:
+        yield
+    finally:
+        _TARGET.pop()
 
 
 def attention_impl(cfg: ModelConfig, batch: int, q_len: int, kv_len: int,
                    platform: str | None = None) -> str:
     """'direct', 'blockwise' or 'splash' for a self-attention call of this shape."""
-    from llm_jax.kernels.splash_attention import splash_applies
+    from llm_jax.kernels.splash_attention import splash_applies  # imported late: model/ imports
+    from llm_jax.model.blockwise_attention import use_blockwise  # this module
 
     name = cfg.attention_impl
     if name == "auto":

@@ -144,7 +144,7 @@ class Attention(nnx.Module):
 
     def self_attend(self, q, k, v, positions_BT, window, segment_ids_BT) -> jax.Array:
         """The implementation kernels/select.py's table names for this backend and shape."""
-        from llm_jax.kernels.select import attention_impl  # imports blockwise_attention
+        from llm_jax.kernels.select import attention_impl, backend  # imports blockwise_attention
 
         b, t = positions_BT.shape
         impl = attention_impl(self.cfg, b, t, t)
@@ -154,7 +154,7 @@ class Attention(nnx.Module):
             return splash_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
                                  segment_ids_BT, segment_ids_BT,
                                  windows=self.cfg.layer_windows,
-                                 interpret=jax.default_backend() != "tpu")
+                                 interpret=backend() != "tpu")
         if impl == "blockwise":  # long T: memory linear in T
             return blockwise_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
                                     segment_ids_BT, segment_ids_BT)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from llm_jax.config import SWIGLU_ALPHA, ModelConfig
-from llm_jax.kernels.select import AUTO
+from llm_jax.kernels.select import AUTO, backend
 from llm_jax.parallel.sharding import constrain
 
 
@@ -187,7 +187,7 @@ def _no_drops(f: Callable[..., jax.Array]) -> DispatchFn:
 def _gmm(x, r, w, cfg):
     from llm_jax.kernels.megablox_moe import moe_gmm  # Pallas TPU; interpret mode elsewhere
 
-    y = moe_gmm(x, r, w, cfg.swiglu_limit, interpret=jax.default_backend() != "tpu")
+    y = moe_gmm(x, r, w, cfg.swiglu_limit, interpret=backend() != "tpu")
     return y, jnp.zeros((), jnp.float32)
 
 
@@ -240,4 +240,4 @@ def auto_dispatch(cfg: ModelConfig, num_tokens: int) -> str:
     """`auto`'s dropless dispatch for `num_tokens` tokens on the default backend."""
     if num_tokens * cfg.experts_per_token <= cfg.num_experts:
         return "gather"
-    return AUTO_BY_BACKEND.get(jax.default_backend(), "ragged")
+    return AUTO_BY_BACKEND.get(backend(), "ragged")
