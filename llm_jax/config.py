@@ -20,7 +20,7 @@ import jax.numpy as jnp
 MOE_DISPATCHES = ("auto", "dense", "ragged", "gather", "blocked", "gmm", "capacity",
                   "expert_parallel")
 # kernels/select.py's table; "auto" picks by backend and shape.
-ATTENTION_IMPLS = ("auto", "direct", "blockwise", "splash")
+ATTENTION_IMPLS = ("auto", "direct", "blockwise", "splash", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rms", "layer")
 # How the same function is executed: changing them never changes a result, so a run may resume

@@ -29,8 +29,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+BLOCK = 64
 _MASKED = -1e30  # finite: m starts at the (finite) sink, so exp(_MASKED - m) = 0, never NaN
 _NEVER = jnp.iinfo(jnp.int32).max
+
+
+def flash_applies(q_len: int, kv_len: int) -> bool:
+    """Whole 64-row blocks (Triton tiles are powers of two)."""
+    return q_len % BLOCK == 0 and kv_len % BLOCK == 0
 
 
 def _visible(qp, kp, qs, ks, window):
@@ -239,8 +245,8 @@ def flash_attend(
     q_segment_ids_BT: jax.Array | None = None,
     kv_segment_ids_BS: jax.Array | None = None,
     *,
-    block_q: int = 64,
-    block_k: int = 64,
+    block_q: int = BLOCK,
+    block_k: int = BLOCK,
     interpret: bool = False,
 ) -> jax.Array:
     """`attend(q, k, v, sinks, attention_mask(positions, window, segments))`, [B, T, N, H].

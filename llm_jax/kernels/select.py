@@ -11,7 +11,9 @@ XLA:CPU lowers `ragged_dot` densely.
 | gpu     | direct, blockwise for long S (by shape) | ragged             |
 | tpu     | splash (self-attention, T % 128 == 0)   | see AUTO below     |
 
-Decoding (T = 1) and shapes splash cannot take fall back to the shape rule on every backend.
+`flash` (kernels/flash_attention_gpu.py, Pallas with the Triton lowering) is opt-in on GPU until
+it has been run on one (`attention_impl="flash"`); it is tested in interpret mode only.
+Decoding (T = 1) and shapes a kernel cannot take fall back to the shape rule on every backend.
 """
 
 from __future__ import annotations
@@ -52,14 +54,17 @@ def compiling_for(platform: str) -> Iterator[None]:
 
 def attention_impl(cfg: ModelConfig, batch: int, q_len: int, kv_len: int,
                    platform: str | None = None) -> str:
-    """'direct', 'blockwise' or 'splash' for a self-attention call of this shape."""
-    from llm_jax.kernels.splash_attention import splash_applies  # imported late: model/ imports
-    from llm_jax.model.blockwise_attention import use_blockwise  # this module
+    """'direct', 'blockwise', 'splash' or 'flash' for a self-attention call of this shape."""
+    from llm_jax.kernels.flash_attention_gpu import flash_applies  # imported late: model/
+    from llm_jax.kernels.splash_attention import splash_applies  # imports this module
+    from llm_jax.model.blockwise_attention import use_blockwise
 
     name = cfg.attention_impl
     if name == "auto":
         name = AUTO.get(platform or backend(), AUTO["gpu"])["attention"]
     if name == "splash" and not (q_len > 1 and splash_applies(q_len, kv_len)):
+        name = "shape"
+    if name == "flash" and not (q_len > 1 and flash_applies(q_len, kv_len)):
         name = "shape"
     if name == "shape":
         return "blockwise" if use_blockwise(batch, q_len, kv_len, cfg.num_attention_heads) \

@@ -155,6 +155,11 @@ class Attention(nnx.Module):
                                  segment_ids_BT, segment_ids_BT,
                                  windows=self.cfg.layer_windows,
                                  interpret=backend() != "tpu")
+        if impl == "flash":  # GPU kernel (Pallas / Triton); interpreted elsewhere
+            from llm_jax.kernels.flash_attention_gpu import flash_attend
+
+            return flash_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
+                                segment_ids_BT, segment_ids_BT, interpret=backend() != "gpu")
         if impl == "blockwise":  # long T: memory linear in T
             return blockwise_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
                                     segment_ids_BT, segment_ids_BT)

@@ -63,7 +63,8 @@ FIELD_DOCS: dict[str, str] = {
                     "the expert FLOPs), ragged / blocked / gather (dropless), capacity / "
                     "expert_parallel (fixed slots; drop overflow in training only)",
     "attention_impl": "how self-attention runs: auto (kernels/select.py's table: splash on TPU, "
-                      "direct / blockwise by shape elsewhere), direct, blockwise, splash",
+                      "direct / blockwise by shape elsewhere), direct, blockwise, splash, flash "
+                      "(GPU Pallas kernel, opt-in)",
     "moe_capacity_factor": "dropping dispatches: slots per expert = factor x T k / E; runs "
                            "factor x the expert FLOPs, drops overflow",
     "prms_fraction": "pRMSNorm: estimate the RMS from this fraction of features (0 = full "

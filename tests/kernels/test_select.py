@@ -39,5 +39,5 @@ def test_compiling_for_sets_the_target_backend():
 
 
 def test_bad_attention_impl_names_the_field():
-    with pytest.raises(ValueError, match="attention_impl='flash'"):
-        ModelConfig(attention_impl="flash")
+    with pytest.raises(ValueError, match="attention_impl='cudnn'"):
+        ModelConfig(attention_impl="cudnn")
