@@ -16,10 +16,10 @@ from typing import Any
 
 # jax device_kind -> (peak dense bf16 FLOP/s, HBM bytes/s) per chip; sources in docs/scaling.md.
 CHIP_PEAKS: dict[str, tuple[float, float]] = {
-    "TPU v4": (275e12, 1228e9),
+    "TPU v4": (275e12, 1200e9),
     "TPU v5 lite": (197e12, 819e9),
     "TPU v5": (459e12, 2765e9),
-    "TPU v6 lite": (918e12, 1640e9),
+    "TPU v6 lite": (918e12, 1638e9),
 }
 
 # Substrings of Pallas kernel names (pallas_call `name=`) -> the kernel family they belong to.
