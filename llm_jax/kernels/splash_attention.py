@@ -13,7 +13,9 @@ Splash computes our attention exactly (checked in tests/kernels/test_splash_atte
 - segment ids: splash only compares q and kv ids; ours also hides segment 0 (padding) from every
   query, so query ids 0 become -1 (padding queries see nothing and return zero, as in `attend`).
 - positions: splash masks by index, so the result equals ours when positions are the index plus
-  a constant within each segment (the model's self-attention: arange, or right-padded prompts).
+  a constant within each contiguous segment (`index_positions`: the model's self-attention,
+  arange or right-padded prompts). `Attention.self_attend` checks it at run time and takes the
+  shape rule's path otherwise, so `auto` stays exact for any positions.
 
 The window is scanned as data next to each layer's weights, but a splash mask is static (its
 block-sparsity tables are built in NumPy when the kernel is made). So a traced window selects, by
@@ -46,6 +48,20 @@ MAX_BLOCK = 512
 def splash_applies(q_len: int, kv_len: int) -> bool:
     """Splash needs self-attention (T = S) over a whole number of 128-wide tiles."""
     return q_len == kv_len and q_len % LANES == 0
+
+
+def index_positions(positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
+    """Whether splash's index-based mask is ours for these positions (a bool scalar): within each
+    segment, positions go up by one per index, and a segment, once left, never comes back (a
+    new one starts with an id above every id before it). Padding (segment 0) is never seen."""
+    step_ok = positions_BT[:, 1:] == positions_BT[:, :-1] + 1
+    if segment_ids_BT is None:
+        return jnp.all(step_ok)
+    seg = segment_ids_BT
+    seen = jax.lax.cummax(seg, axis=1)[:, :-1]
+    cur, prev = seg[:, 1:], seg[:, :-1]
+    ok = (cur == 0) | ((cur == prev) & step_ok) | (cur > seen)
+    return jnp.all(ok)
 
 
 def block_size(seq_len: int) -> int:

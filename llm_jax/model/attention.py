@@ -15,13 +15,15 @@ and value are written into their slot and the query attends over the cache).
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.blockwise_attention import blockwise_attend
+from llm_jax.model.blockwise_attention import blockwise_attend, use_blockwise
 from llm_jax.model.kv_cache import LayerCache, append, fill, ring_positions
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
@@ -147,24 +149,33 @@ class Attention(nnx.Module):
         from llm_jax.kernels.select import attention_impl, backend  # imports blockwise_attention
 
         b, t = positions_BT.shape
-        impl = attention_impl(self.cfg, b, t, t)
-        if impl == "splash":  # positions are arange (per segment) in self-attention
-            from llm_jax.kernels.splash_attention import splash_attend
+        impl, sinks = attention_impl(self.cfg, b, t, t), self.sinks[...]
+        args = (sinks, positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
+        if impl == "splash":  # exact when positions are the index (per segment): checked
+            from llm_jax.kernels.splash_attention import index_positions, splash_attend
 
-            return splash_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
-                                 segment_ids_BT, segment_ids_BT,
-                                 windows=self.cfg.layer_windows,
-                                 interpret=backend() != "tpu")
+            splash = functools.partial(splash_attend, windows=self.cfg.layer_windows,
+                                       interpret=backend() != "tpu")
+            blockwise = use_blockwise(b, t, t, self.cfg.num_attention_heads)
+            return jax.lax.cond(index_positions(positions_BT, segment_ids_BT),
+                                lambda q, k, v: splash(q, k, v, *args),
+                                lambda q, k, v: self._xla(q, k, v, *args, blockwise=blockwise),
+                                q, k, v)
         if impl == "flash":  # GPU kernel (Pallas / Triton); interpreted elsewhere
             from llm_jax.kernels.flash_attention_gpu import flash_attend
 
-            return flash_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
-                                segment_ids_BT, segment_ids_BT, interpret=backend() != "gpu")
-        if impl == "blockwise":  # long T: memory linear in T
-            return blockwise_attend(q, k, v, self.sinks[...], positions_BT, positions_BT, window,
-                                    segment_ids_BT, segment_ids_BT)
-        mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
-        return attend(q, k, v, self.sinks[...], mask)
+            return flash_attend(q, k, v, *args, interpret=backend() != "gpu")
+        return self._xla(q, k, v, *args, blockwise=impl == "blockwise")
+
+    @staticmethod
+    def _xla(q, k, v, sinks, q_positions, kv_positions, window, q_segments, kv_segments, *,
+             blockwise: bool) -> jax.Array:
+        """The plain-JAX paths: blockwise (memory linear in T, for long T) or direct."""
+        if blockwise:
+            return blockwise_attend(q, k, v, sinks, q_positions, kv_positions, window,
+                                    q_segments, kv_segments)
+        mask = attention_mask(q_positions, kv_positions, window, q_segments, kv_segments)
+        return attend(q, k, v, sinks, mask)
 
     def decode(self, q, k, v, positions_B, window, cache: LayerCache):
         """One new position per row: write it, then attend over every slot still visible."""
