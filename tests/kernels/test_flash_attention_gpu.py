@@ -20,6 +20,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # Pallas interpret mode: ~10-20 s a case on 2 busy cores
 @pytest.mark.parametrize("b,t,n,k,window,segs,offset", CASES)
 def test_matches_direct_path(b, t, n, k, window, segs, offset):
     r = np.random.default_rng(0)

@@ -2,6 +2,7 @@
 the logits of the direct path (interpret mode on CPU; gradients are checked per kernel)."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 from llm_jax.config import ModelConfig
@@ -17,11 +18,13 @@ def _logits(impl: str, tokens: jax.Array, positions=None) -> jax.Array:
     return init_model(SMALL.replace(attention_impl=impl), seed=3)(tokens, positions)
 
 
+@pytest.mark.slow
 def test_flash_in_the_scanned_model_matches_direct():
     tokens = jax.random.randint(jax.random.key(0), (2, 64), 0, SMALL.vocab_size)
     assert float(jnp.max(jnp.abs(_logits("direct", tokens) - _logits("flash", tokens)))) < 1e-4
 
 
+@pytest.mark.slow
 def test_splash_in_the_scanned_model_matches_direct():
     tokens = jax.random.randint(jax.random.key(1), (1, 128), 0, SMALL.vocab_size)
     assert float(jnp.max(jnp.abs(_logits("direct", tokens) - _logits("splash", tokens)))) < 1e-4

@@ -31,6 +31,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # Pallas interpret mode: ~10-20 s a case on 2 busy cores
 @pytest.mark.parametrize("b,t,n,k,window,segs,windows", CASES)
 def test_matches_direct_path(b, t, n, k, window, segs, windows):
     q, kk, v, sinks, do = _inputs(b, t, n, k)
