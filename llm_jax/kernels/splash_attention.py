@@ -85,6 +85,24 @@ def make_kernel(seq_len: int, num_heads: int, window: int, interpret: bool):
                                   head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
+@jax.custom_vjp
+def _float32(x: jax.Array) -> jax.Array:
+    """x as float32, whose cotangent comes back in x's dtype: splash returns d(sinks) in the
+    activations' dtype (bf16 in training), which must match the float32 sinks parameter."""
+    return x.astype(jnp.float32)
+
+
+def _float32_fwd(x):
+    return x.astype(jnp.float32), jnp.zeros((), x.dtype)
+
+
+def _float32_bwd(like, g):
+    return (g.astype(like.dtype),)
+
+
+_float32.defvjp(_float32_fwd, _float32_bwd)
+
+
 def _local(q_BTNH, k_BSKH, v_BSKH, sinks_N, qs_BT, ks_BS, window, *, windows: tuple[int, ...],
            interpret: bool):
     """Splash on one device's shard: vmap over batch, one kernel per window, switch on window."""
@@ -96,7 +114,7 @@ def _local(q_BTNH, k_BSKH, v_BSKH, sinks_N, qs_BT, ks_BS, window, *, windows: tu
     def run(w: int):
         kernel = make_kernel(t, n, w, interpret)
         def one(q, k, v, seg):
-            return kernel(q, k, v, segment_ids=seg, sinks=sinks_N.astype(jnp.float32))
+            return kernel(q, k, v, segment_ids=seg, sinks=_float32(sinks_N))
         return lambda q, k, v, seg: jax.vmap(one)(q, k, v, seg)
 
     args = (q_BNTH, k_BKSH, v_BKSH, segments)
