@@ -17,12 +17,15 @@ import jax
 import jax.numpy as jnp
 
 # model/moe_dispatch.py's table; "auto" picks a dropless one by shape and backend.
-MOE_DISPATCHES = ("auto", "dense", "ragged", "gather", "blocked", "capacity", "expert_parallel")
+MOE_DISPATCHES = ("auto", "dense", "ragged", "gather", "blocked", "gmm", "capacity",
+                  "expert_parallel")
+# kernels/select.py's table; "auto" picks by backend and shape.
+ATTENTION_IMPLS = ("auto", "direct", "blockwise", "splash", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rms", "layer")
 # How the same function is executed: changing them never changes a result, so a run may resume
 # with other values.
-EXECUTION_FIELDS = ("remat", "scan_layers")
+EXECUTION_FIELDS = ("remat", "scan_layers", "attention_impl")
 
 # Fixed by the gpt-oss reference, not design decisions (docs/model.md).
 RMS_NORM_EPS = 1e-5
@@ -66,6 +69,9 @@ class ModelConfig:
     # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel) apply only to
     # training calls (`train=True`); every other call computes the exact function.
     moe_dispatch: str = "auto"
+    # One of ATTENTION_IMPLS: how self-attention is computed (the same function; splash is a
+    # TPU kernel and falls back to the shape rule where it cannot apply).
+    attention_impl: str = "auto"
     moe_capacity_factor: float = 1.25  # dropping dispatches: slots per expert = factor * T * k / E
     prms_fraction: float = 0.0  # pRMSNorm: estimate the RMS from the first p of features; 0 = off
     norm_type: str = "rms"  # rms (gpt-oss) | layer (LayerNorm, for the norm benchmark)
@@ -136,6 +142,8 @@ class ModelConfig:
             bad("param_dtype", f"one of {DTYPES}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             bad("moe_dispatch", f"one of {MOE_DISPATCHES}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            bad("attention_impl", f"one of {ATTENTION_IMPLS}")
         if self.norm_type not in NORM_TYPES:
             bad("norm_type", f"one of {NORM_TYPES}")
         if not 0.0 <= self.prms_fraction <= 1.0:

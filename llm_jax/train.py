@@ -28,6 +28,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from llm_jax.kernels.select import kernels_line
 from llm_jax.model import costs as describe
 from llm_jax.parallel import distributed
 from llm_jax.training import faults
@@ -189,6 +190,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     logging.info("model: %s params (%s active); %.3g train FLOPs/token; peak %.3g FLOP/s (%s)",
                  f"{describe.total_params(mcfg):,}", f"{describe.active_params(mcfg):,}",
                  flops_per_token, peak, mcfg.dtype)
+    logging.info("kernels: %s", kernels_line(mcfg, tc.batch_size, seq_len))
     config_json = cfg.to_dict() | {"model": mcfg.to_dict()}  # init_from's config resolved
     proto = getattr(data.tokenizer, "_proto", None)
 

@@ -15,6 +15,8 @@ and value are written into their slot and the query attends over the cache).
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -143,16 +145,39 @@ class Attention(nnx.Module):
         chex.assert_shape(o, (b, t, cfg.num_attention_heads, cfg.head_dim))
         return self.out(o), cache
 
-    def self_attend(self, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
-                    positions_BT: jax.Array, window: jax.Array | int,
-                    segment_ids_BT: jax.Array | None) -> jax.Array:
-        """Each query over the input's own keys: direct for short T, block-sparse for long."""
+    def self_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions_BT: jax.Array,
+                    window: jax.Array | int, segment_ids_BT: jax.Array | None) -> jax.Array:
+        """The implementation kernels/select.py's table names for this backend and shape."""
+        from llm_jax.kernels.select import attention_impl, backend  # imports blockwise_attention
+
         b, t = positions_BT.shape
-        if use_blockwise(b, t, t, self.cfg.num_attention_heads):  # long T: memory linear in T
-            return blockwise_attend(q_BTNH, k_BTKH, v_BTKH, self.sinks[...], positions_BT,
-                                    positions_BT, window, segment_ids_BT, segment_ids_BT)
-        mask = attention_mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
-        return attend(q_BTNH, k_BTKH, v_BTKH, self.sinks[...], mask)
+        impl, sinks = attention_impl(self.cfg, b, t, t), self.sinks[...]
+        args = (sinks, positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
+        if impl == "splash":  # exact when positions are the index (per segment): checked
+            from llm_jax.kernels.splash_attention import index_positions, splash_attend
+
+            splash = functools.partial(splash_attend, windows=self.cfg.layer_windows,
+                                       interpret=backend() != "tpu")
+            blockwise = use_blockwise(b, t, t, self.cfg.num_attention_heads)
+            return jax.lax.cond(index_positions(positions_BT, segment_ids_BT),
+                                lambda q, k, v: splash(q, k, v, *args),
+                                lambda q, k, v: self._xla(q, k, v, *args, blockwise=blockwise),
+                                q, k, v)
+        if impl == "flash":  # GPU kernel (Pallas / Triton); interpreted elsewhere
+            from llm_jax.kernels.flash_attention_gpu import flash_attend
+
+            return flash_attend(q, k, v, *args, interpret=backend() != "gpu")
+        return self._xla(q, k, v, *args, blockwise=impl == "blockwise")
+
+    @staticmethod
+    def _xla(q, k, v, sinks, q_positions, kv_positions, window, q_segments, kv_segments, *,
+             blockwise: bool) -> jax.Array:
+        """The plain-JAX paths: blockwise (memory linear in T, for long T) or direct."""
+        if blockwise:
+            return blockwise_attend(q, k, v, sinks, q_positions, kv_positions, window,
+                                    q_segments, kv_segments)
+        mask = attention_mask(q_positions, kv_positions, window, q_segments, kv_segments)
+        return attend(q, k, v, sinks, mask)
 
     def decode(self, q_B1NH: jax.Array, k_B1KH: jax.Array, v_B1KH: jax.Array,
                positions_B: jax.Array, window: jax.Array | int,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from llm_jax.config import ModelConfig
+from llm_jax.kernels.select import kernels_line
 from llm_jax.model.moe_dispatch import capacity
 
 # ---------------------------------------------------------------------------------------------
@@ -61,6 +62,9 @@ FIELD_DOCS: dict[str, str] = {
     "moe_dispatch": "how tokens reach experts: auto (dropless, by backend), dense (all E, E/k x "
                     "the expert FLOPs), ragged / blocked / gather (dropless), capacity / "
                     "expert_parallel (fixed slots; drop overflow in training only)",
+    "attention_impl": "how self-attention runs: auto (kernels/select.py's table: splash on TPU, "
+                      "direct / blockwise by shape elsewhere), direct, blockwise, splash, flash "
+                      "(GPU Pallas kernel, opt-in)",
     "moe_capacity_factor": "dropping dispatches: slots per expert = factor x T k / E; runs "
                            "factor x the expert FLOPs, drops overflow",
     "prms_fraction": "pRMSNorm: estimate the RMS from this fraction of features (0 = full "
@@ -522,6 +526,7 @@ def describe(
         },
         "memory_per_device": memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh),
         "finetune_memory_per_device": _finetune_memory(run_cfg, cfg, batch, seq_len, mesh),
+        "kernels": {p: kernels_line(cfg, batch, seq_len, p) for p in ("cpu", "gpu", "tpu")},
     }
 
 
@@ -559,6 +564,9 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [f"{n:<12} {c:>16,}  {c / p['total']:6.1%}" for n, c in p["components"].items()]
     lines += [f"{'total':<12} {p['total']:>16,}", f"{'active':<12} {p['active']:>16,}  "
               f"per token; {p['active_convention']}"]
+
+    lines += ["", "## Kernels of a training step, by backend (kernels/select.py)"]
+    lines += [line for line in r.get("kernels", {}).values()]
 
     f = r["flops_per_token"]
     lines += ["", f"## FLOPs per token (seq_len {r['seq_len']})", f["formula"],

@@ -14,6 +14,7 @@ differ in how they lay out the work:
 | blocked         | no    | sorted assignments padded to row blocks, one small matmul per block |
 | capacity        | yes   | C = ceil(factor A / E) slots per expert, batched einsum over slots  |
 | expert_parallel | yes   | `shard_map` + all_to_all over the `expert` mesh axis (moe_parallel) |
+| gmm             | no    | as ragged, with the Pallas TPU megablox grouped matmul (kernels/)   |
 
 `auto` (the default) picks a dropless one by shape and backend: `gather` when T k <= E (decoding
 a small batch reads only the chosen experts), else `ragged` on TPU/GPU and `blocked` on CPU,
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from llm_jax.config import SWIGLU_ALPHA, ModelConfig
+from llm_jax.kernels.select import AUTO, backend
 from llm_jax.parallel.sharding import constrain
 
 
@@ -182,6 +184,13 @@ def _no_drops(f: Callable[..., jax.Array]) -> DispatchFn:
     return lambda x, r, w, cfg: (f(x, r, w, cfg.swiglu_limit), jnp.zeros((), jnp.float32))
 
 
+def _gmm(x, r, w, cfg):
+    from llm_jax.kernels.megablox_moe import moe_gmm  # Pallas TPU; interpret mode elsewhere
+
+    y = moe_gmm(x, r, w, cfg.swiglu_limit, interpret=backend() != "tpu")
+    return y, jnp.zeros((), jnp.float32)
+
+
 def _capacity(x, r, w, cfg):
     return moe_capacity(x, r, w, cfg.swiglu_limit, capacity(x.shape[0], cfg))
 
@@ -204,13 +213,14 @@ DISPATCHES: dict[str, Dispatch] = {
     "ragged": Dispatch(_no_drops(moe_ragged), drops=False),
     "gather": Dispatch(_no_drops(moe_gather), drops=False),
     "blocked": Dispatch(_no_drops(moe_blocked), drops=False),
+    "gmm": Dispatch(_gmm, drops=False),
     "capacity": Dispatch(_capacity, drops=True),
     "expert_parallel": Dispatch(_expert_parallel, drops=True),
 }
 # What a dropping dispatch becomes outside training.
 EXACT_FALLBACK: dict[str, DispatchFn] = {"expert_parallel": _expert_parallel_exact}
-# The dropless choice of `auto` for many tokens, by backend.
-AUTO_BY_BACKEND = {"cpu": "blocked", "gpu": "ragged", "tpu": "ragged"}
+# The dropless choice of `auto` for many tokens, by backend: kernels/select.py's table.
+AUTO_BY_BACKEND = {b: impls["moe"] for b, impls in AUTO.items()}
 
 
 def select_dispatch(cfg: ModelConfig, num_tokens: int, *, train: bool) -> DispatchFn:
@@ -230,4 +240,4 @@ def auto_dispatch(cfg: ModelConfig, num_tokens: int) -> str:
     """`auto`'s dropless dispatch for `num_tokens` tokens on the default backend."""
     if num_tokens * cfg.experts_per_token <= cfg.num_experts:
         return "gather"
-    return AUTO_BY_BACKEND.get(jax.default_backend(), "ragged")
+    return AUTO_BY_BACKEND.get(backend(), "ragged")

@@ -79,7 +79,9 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     """Lowers and compiles the train step for `devices`; returns memory and timing facts."""
     import jax.numpy as jnp
 
+    from llm_jax.kernels.select import compiling_for, kernels_line
     from llm_jax.model import costs as describe
+    from llm_jax.parallel import roofline
     from llm_jax.training.run_config import model_config
     from llm_jax.parallel.sharding import MESH_AXES, make_mesh
     from llm_jax.training.step import compile_steps
@@ -98,7 +100,9 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     steps = compile_steps(cfg, tc, m, run_cfg.seed)
     tokens = jax.ShapeDtypeStruct((tc.batch_size, seq_len), jnp.int32,
                                   sharding=steps.batch_sharding)
-    lowered = steps.train.lower(steps.abstract_state, {"inputs": tokens, "targets": tokens})
+    platform = getattr(devices[0], "platform", "tpu")
+    with compiling_for(platform):  # `auto` picks the target's kernels, not the host's
+        lowered = steps.train.lower(steps.abstract_state, {"inputs": tokens, "targets": tokens})
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -110,10 +114,19 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     hbm = HBM_BYTES.get(kind)
     sizes = dict(m.shape)
     estimate = describe.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes)
+    kernels = roofline.kernels_in(compiled.as_text())
+    step_cost = roofline.cost(compiled)
+    model_flops = describe.flops_per_token(cfg, seq_len, training=True) * tc.batch_size * seq_len
+    bound = roofline.roofline(kind, step_cost["flops"], step_cost["bytes"],
+                              model_flops / len(devices))
     return {
         "name": run_cfg.get("name", ""), "device_kind": kind, "devices": len(devices),
         "mesh": sizes, "batch": tc.batch_size, "seq_len": seq_len,
         "moe_dispatch": cfg.moe_dispatch, "remat": cfg.remat,
+        "selected": kernels_line(cfg, tc.batch_size, seq_len, platform),
+        "kernels": kernels, "kernel_families": roofline.kernel_families(kernels),
+        "cost": step_cost, "model_flops_per_chip": model_flops / len(devices),
+        "roofline": bound,
         "lower_seconds": t1 - t0, "compile_seconds": t2 - t1,
         "bytes": {"arguments": args, "outputs": out, "aliased": alias, "temp": temp,
                   "code": code, "total": total,
@@ -144,7 +157,26 @@ def format_result(r: dict[str, Any]) -> str:
         f"per chip, estimated (describe.memory_per_device): params {_bytes(e['params'])}, grads "
         f"{_bytes(e['grads'])}, Adam m+v {_bytes(e['adam_m_v'])}, activations "
         f"{_bytes(e['activations'])}, total {_bytes(e['total'])}",
+        *_roofline_lines(r),
     ])
+
+
+def _roofline_lines(r: dict[str, Any]) -> list[str]:
+    """The kernels found in the compiled program, its cost and roofline (when known)."""
+    if "cost" not in r:
+        return []
+    c, rf = r["cost"], r["roofline"]
+    found = ", ".join(f"{n} x{k}" for n, k in sorted(r["kernels"].items())) or "none"
+    lines = [f"selected: {r['selected']}; Pallas kernels in the compiled program: {found}",
+             f"per chip, compiled (cost_analysis): {c['flops']:.4g} FLOPs, {c['bytes']:.4g} bytes "
+             f"accessed; model FLOPs {r['model_flops_per_chip']:.4g}"]
+    if rf is not None:
+        lines.append(
+            f"roofline on {rf['peak_flops'] / 1e12:.0f} TFLOP/s, {rf['hbm_bandwidth'] / 1e9:.0f} "
+            f"GB/s: step >= {rf['step_seconds'] * 1e3:.1f} ms ({rf['bound']}-bound; FLOPs "
+            f"{rf['flops_seconds'] * 1e3:.1f} ms, bytes {rf['bytes_seconds'] * 1e3:.1f} ms), "
+            f"MFU <= {rf['mfu_bound']:.1%}")
+    return lines
 
 
 def main(argv: list[str]) -> None:

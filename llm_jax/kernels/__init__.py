@@ -1,0 +1,2 @@
+"""Accelerator kernels behind the model's attention and MoE interfaces (one file per kernel);
+`select` holds the one table of which implementation each backend runs."""

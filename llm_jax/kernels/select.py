@@ -1,0 +1,87 @@
+"""Which attention and MoE implementation a run uses: one table per backend, `auto` by default.
+
+`ModelConfig.attention_impl` and `ModelConfig.moe_dispatch` override it. The table is by
+backend because a kernel is only fast (or only runs) where it was written for: splash attention
+and megablox are Pallas TPU kernels (on CPU they would run in the slow interpret mode), and
+XLA:CPU lowers `ragged_dot` densely.
+
+| backend | attention                               | MoE (many tokens)  |
+|---------|-----------------------------------------|--------------------|
+| cpu     | direct, blockwise for long S (by shape) | blocked            |
+| gpu     | direct, blockwise for long S (by shape) | ragged             |
+| tpu     | splash (self-attention, T % 128 == 0)   | see AUTO below     |
+
+`flash` (kernels/flash_attention_gpu.py, Pallas with the Triton lowering) is opt-in on GPU until
+it has been run on one (`attention_impl="flash"`); it is tested in interpret mode only.
+Decoding (T = 1) and shapes a kernel cannot take fall back to the shape rule on every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+
+from llm_jax.config import ModelConfig
+
+# backend -> {"attention": name or "shape" (direct / blockwise by use_blockwise), "moe": name}
+AUTO: dict[str, dict[str, str]] = {
+    "cpu": {"attention": "shape", "moe": "blocked"},
+    "gpu": {"attention": "shape", "moe": "ragged"},
+    "tpu": {"attention": "splash", "moe": "ragged"},
+}
+
+
+_TARGET: list[str] = []  # set while tracing for other hardware (ahead-of-time compilation)
+
+
+def backend() -> str:
+    """The platform the program being traced will run on: `jax.default_backend()`, or the
+    target of an enclosing `compiling_for` (a TPU topology compiled from a CPU host)."""
+    return _TARGET[-1] if _TARGET else jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+    """Trace for `platform` ('tpu', 'gpu', 'cpu'): `auto` picks that backend's kernels."""
+    _TARGET.append(platform)
+    try:
+        yield
+    finally:
+        _TARGET.pop()
+
+
+def attention_impl(cfg: ModelConfig, batch: int, q_len: int, kv_len: int,
+                   platform: str | None = None) -> str:
+    """'direct', 'blockwise', 'splash' or 'flash' for a self-attention call of this shape."""
+    from llm_jax.kernels.flash_attention_gpu import flash_applies  # imported late: model/
+    from llm_jax.kernels.splash_attention import splash_applies  # imports this module
+    from llm_jax.model.blockwise_attention import use_blockwise
+
+    name = cfg.attention_impl
+    if name == "auto":
+        name = AUTO.get(platform or backend(), AUTO["gpu"])["attention"]
+    if name == "splash" and not (q_len > 1 and splash_applies(q_len, kv_len)):
+        name = "shape"
+    if name == "flash" and not (q_len > 1 and flash_applies(q_len, kv_len)):
+        name = "shape"
+    if name == "shape":
+        return "blockwise" if use_blockwise(batch, q_len, kv_len, cfg.num_attention_heads) \
+            else "direct"
+    return name
+
+
+def moe_impl(cfg: ModelConfig, platform: str | None = None) -> str:
+    """The MoE dispatch `auto` runs for many tokens (T k > E) on `platform`."""
+    if cfg.moe_dispatch != "auto":
+        return cfg.moe_dispatch
+    return AUTO.get(platform or backend(), AUTO["gpu"])["moe"]
+
+
+def kernels_line(cfg: ModelConfig, batch: int, seq_len: int,
+                 platform: str | None = None) -> str:
+    """'attention=splash moe=ragged (tpu)': what a training step of this shape runs."""
+    p = platform or backend()
+    return (f"attention={attention_impl(cfg, batch, seq_len, seq_len, p)} "
+            f"moe={moe_impl(cfg, p)} ({p})")
