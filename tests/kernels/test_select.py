@@ -11,7 +11,10 @@ CFG = ModelConfig()
 
 
 def test_cpu_keeps_the_shape_rule():
-    assert attention_impl(CFG, 8, 256, 256, "cpu") == "direct"
+    from llm_jax.model.blockwise_attention import BLOCKWISE_MIN_KEYS
+
+    short = BLOCKWISE_MIN_KEYS // 2
+    assert attention_impl(CFG, 8, short, short, "cpu") == "direct"
     assert attention_impl(CFG, 1, 4096, 4096, "cpu") == "blockwise"
     assert moe_impl(CFG, "cpu") == "blocked"
 
