@@ -14,7 +14,8 @@ beyond its inputs and outputs.
   blockwise, for each of --seq_lens (causal, or --window).
 - layers: the same gradient of `blockwise_attend` at --seq_len with window 128 and with none.
 - model: grad of the mean cross-entropy w.r.t. all weights of `Transformer(ModelConfig(
-  num_hidden_layers=2, sliding_window=128 | 0))` (layer 0 slides, layer 1 is full) at --seq_len.
+  num_hidden_layers=2, sliding_window=128 | 0))` (layer 0 slides, layer 1 is full) at --seq_len,
+  and of the same model with each attention replaced by its query: the cost of the rest.
 
 --baseline FILE times another implementation of `blockwise_attend` (a module file with the same
 function, e.g. an older version from `git show`) in the same rounds, in layers and model alike
@@ -160,7 +161,10 @@ def model(cfg: ModelConfig, t: int, impls: dict[str, Callable], repeats: int
             logits = nnx.merge(graphdef, params)(inputs)
             return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-        for name, impl in impls.items():
+        # The same model with each attention replaced by its query (window 0 only: no window
+        # applies): what the rest of the model costs.
+        free = {"attention_free": lambda q, *args, **kwargs: q} if w == 0 else {}
+        for name, impl in {**impls, **free}.items():
             with _model_attention(impl):
                 fns[name, w], temps[name, w] = _compiled(jax.jit(jax.grad(loss)), params)
     return _by_window(fns, temps, repeats)
@@ -227,6 +231,13 @@ def format_result(r: dict[str, Any]) -> str:
         ratio = ", ".join(f"{n} window/none {windowed[n]['time_s'] / full[n]['time_s']:.2f}x"
                           for n in names)
         out.append(f"{what}, T {r['seq_len']}, batch 1: {ratio}\n" + table(headers, rows))
+        if "attention_free" in full:
+            rest = full["attention_free"]["time_s"]
+            spent = ", ".join(f"{n}'s two attentions {(windowed[n]['time_s'] - rest) * 1e3:.1f} ms "
+                              f"with a window, {(full[n]['time_s'] - rest) * 1e3:.1f} without"
+                              for n in names)
+            out.append(f"the model with attention replaced by its query: {rest * 1e3:.1f} ms; "
+                       f"{spent}")
     out.append(f"load average {r['machine']['load_average']}")
     return "\n\n".join(out)
 
