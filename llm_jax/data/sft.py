@@ -17,14 +17,17 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
+import jax
 import numpy as np
 from absl import logging
 
 from llm_jax.data.hf_tokenizer import HFTokenizer, Message
+from llm_jax.data.resume import TaggedIterator, check_saved_state
 
 ON_BAD_LINE = ("skip", "stop")
 
@@ -164,6 +167,11 @@ class SFTData:
     bad_lines: BadLines
     _batch_size: int
 
+    def check_checkpoint(self, step_dir: str) -> None:
+        """Raises ValueError if the data state saved in `step_dir` was not made by these rows
+        (another file, seq_len, batch size, seed or process count)."""
+        check_saved_state(os.path.join(step_dir, "data"), self.train_iter.identity)
+
     def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """The first `num_batches` batches of the packed rows, unshuffled (no held-out split)."""
         n = len(self.rows["inputs"]) // self._batch_size
@@ -195,4 +203,8 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
     ds = (grain.MapDataset.range(len(rows["inputs"])).shuffle(seed=seed).repeat()
           .map(lambda i: {k: v[i] for k, v in rows.items()})
           .batch(batch_size, drop_remainder=True).to_iter_dataset())
-    return SFTData(iter(ds), tok, name, rows, bad, batch_size)
+    # The saved iterator state is only meaningful for these same rows in this order.
+    identity = {"dataset": f"sft:{name}", "rows": len(rows["inputs"]), "seq_len": seq_len,
+                "batch_size": batch_size, "shuffle_seed": seed,
+                "process_index": jax.process_index(), "process_count": jax.process_count()}
+    return SFTData(TaggedIterator(iter(ds), identity), tok, name, rows, bad, batch_size)

@@ -34,7 +34,7 @@ from llm_jax.model.lora import LoRAParam, add_lora  # noqa: E402
 from llm_jax.train import train  # noqa: E402
 from llm_jax.training.finetune import restore_finetuned  # noqa: E402
 from llm_jax.training.metrics import read_metrics  # noqa: E402
-from llm_jax.training.step import eval_step, loss_fn  # noqa: E402
+from llm_jax.training.step import eval_step, loss_fn, target_mask  # noqa: E402
 from llm_jax.weights.adapters import merge_lora, save_adapters  # noqa: E402
 from llm_jax.weights.formats import save_hf  # noqa: E402
 
@@ -148,7 +148,8 @@ def test_masked_targets_get_no_gradient(ckpt, jsonl):
     batch = {k: jnp.asarray(v) for k, v in next(iter(data.make_eval_iter(1))).items()}
     graphdef, params = nnx.split(model, nnx.Param)
     train_cfg = _config("finetune_full", ckpt, jsonl).train
-    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, graphdef, b, train_cfg)[0]))
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, graphdef, b, train_cfg,
+                                                 target_mask(b).sum())[0]))
     perturbed = dict(batch, targets=jnp.where(batch["loss_mask"] > 0, batch["targets"],
                                               (batch["targets"] + 7) % VOCAB))
     assert not np.array_equal(perturbed["targets"], batch["targets"])
