@@ -84,8 +84,8 @@ def loss_fn(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy + weighted MoE auxiliary losses (Switch load balancing, router z-loss)."""
     model = nnx.merge(graphdef, params)
-    logits_BTV, aux = model(batch["inputs"], train=True, return_aux=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"]).mean()
+    h_BTD, aux, _ = model.hidden_states(batch["inputs"], train=True)
+    ce = model.cross_entropy_sum(h_BTD, batch["targets"]) / batch["targets"].size
     lb = aux.load_balancing_loss.mean()
     z = aux.router_z_loss.mean()
     loss = ce + train.load_balancing_loss_weight * lb + train.router_z_loss_weight * z
@@ -136,9 +136,10 @@ def train_step(
 
 def eval_step(params: nnx.State, batch: Batch, *, graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
     """Sums over the batch: negative log-likelihood (nats), tokens, and target UTF-8 bytes."""
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    out = {"nll": nll.sum(), "tokens": jnp.asarray(nll.size, jnp.float32)}
+    model = nnx.merge(graphdef, params)
+    h_BTD, _, _ = model.hidden_states(batch["inputs"])
+    nll = model.cross_entropy_sum(h_BTD, batch["targets"])
+    out = {"nll": nll, "tokens": jnp.asarray(batch["targets"].size, jnp.float32)}
     if "target_bytes" in batch:
         out["bytes"] = batch["target_bytes"].sum().astype(jnp.float32)
     return out
