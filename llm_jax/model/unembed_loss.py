@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 # Tokens per chunk (B c): about 8 MB of float32 logits at V = 8,000, so a chunk stays in cache.
 CHUNK_TOKENS = 256
+# Chunks unrolled into straight-line code: XLA:CPU's while loop costs more than it saves here.
+MAX_UNROLL = 16
 
 
 def chunk_steps(batch: int, seq_len: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
@@ -52,7 +54,7 @@ def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
         return total + jnp.sum(wt * nll), None
 
     xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs, unroll=min(MAX_UNROLL, xs[1].shape[0]))
     return total
 
 
@@ -76,7 +78,7 @@ def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
 
     xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
     init = (jnp.zeros((), jnp.float32), jnp.zeros((v, d), jnp.float32))
-    (total, dw_VD), (dh_nBcD, nll_nBc) = jax.lax.scan(body, init, xs)
+    (total, dw_VD), (dh_nBcD, nll_nBc) = jax.lax.scan(body, init, xs, unroll=min(MAX_UNROLL, xs[1].shape[0]))
     dh_BTD = jnp.moveaxis(dh_nBcD, 0, 1).reshape(b, -1, d)[:, :t]
     nll_BT = jnp.moveaxis(nll_nBc, 0, 1).reshape(b, -1)[:, :t]
     return total, dh_BTD, dw_VD, nll_BT
@@ -107,7 +109,7 @@ def cross_entropy_sum(
     weights_BT: jax.Array | None = None,
     *,
     dtype: jnp.dtype = jnp.float32,
-    chunk_tokens: int = CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> jax.Array:
     """sum_t weights_t (logsumexp(logits_t) - logits_t[target_t]) with logits = h W^T computed in
     `dtype` with float32 results: the value and gradients of today's full-logits loss
@@ -124,7 +126,7 @@ def cross_entropy_sum(
         weights_BT = jnp.ones((b, t), jnp.float32)
     elif weights_BT.shape != (b, t):
         raise ValueError(f"weights shape {weights_BT.shape}: expected {(b, t)}")
-    c = chunk_steps(b, t, chunk_tokens)
+    c = chunk_steps(b, t, chunk_tokens or CHUNK_TOKENS)
     # float32 in and out of the custom VJP; `astype` casts the gradients back to each input's dtype.
     f32 = jnp.float32
     return _fused(h_BTD.astype(f32), unembedding_VD.astype(f32), targets_BT.astype(jnp.int32),
