@@ -54,7 +54,8 @@ def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
         return total + jnp.sum(wt * nll), None
 
     xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs, unroll=min(MAX_UNROLL, xs[1].shape[0]))
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs,
+                            unroll=min(MAX_UNROLL, xs[1].shape[0]))
     return total
 
 
@@ -78,7 +79,8 @@ def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
 
     xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
     init = (jnp.zeros((), jnp.float32), jnp.zeros((v, d), jnp.float32))
-    (total, dw_VD), (dh_nBcD, nll_nBc) = jax.lax.scan(body, init, xs, unroll=min(MAX_UNROLL, xs[1].shape[0]))
+    (total, dw_VD), (dh_nBcD, nll_nBc) = jax.lax.scan(body, init, xs,
+                                                     unroll=min(MAX_UNROLL, xs[1].shape[0]))
     dh_BTD = jnp.moveaxis(dh_nBcD, 0, 1).reshape(b, -1, d)[:, :t]
     nll_BT = jnp.moveaxis(nll_nBc, 0, 1).reshape(b, -1)[:, :t]
     return total, dh_BTD, dw_VD, nll_BT
