@@ -137,8 +137,10 @@ def test_llm_jax_run_without_a_program_prints_usage():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_importing_llm_jax_tunes_glibc_unless_switched_off():
     code = "import llm_jax; from llm_jax.runtime.malloc import active_malloc; print(active_malloc())"
-    run = lambda **e: subprocess.run([sys.executable, "-c", code], env=_child_env(**e),  # noqa: E731
-                                     text=True, capture_output=True, timeout=120,
-                                     check=True).stdout.strip()
+
+    def run(**env):
+        return subprocess.run([sys.executable, "-c", code], env=_child_env(**env), text=True,
+                              capture_output=True, timeout=120, check=True).stdout.strip()
+
     assert run() == "glibc (tuned)"
     assert run(LLM_JAX_MALLOC="system") == "system"

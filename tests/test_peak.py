@@ -1,4 +1,4 @@
-"""The MFU peak: measured once per machine, cached, only ever raised, and said where it came from."""
+"""The MFU peak: measured once per machine, cached, only ever raised, its source stated."""
 
 import json
 

@@ -82,7 +82,8 @@ def device_key() -> str:
     accelerator's kind."""
     d = jax.devices()[0]
     if d.platform == "cpu":
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        affinity = getattr(os, "sched_getaffinity", None)
+        threads = len(affinity(0)) if affinity else os.cpu_count()
         return f"cpu: {cpu_model()} x {threads} threads"
     return f"{d.platform}: {d.device_kind}"
 
