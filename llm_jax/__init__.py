@@ -11,6 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from llm_jax.runtime.malloc import tune_glibc
+
+tune_glibc()  # before XLA starts its threads: keep its freed step buffers (runtime/malloc.py)
+
 _EXPORTS = {
     "ModelConfig": "llm_jax.config",
     "Transformer": "llm_jax.model.transformer",

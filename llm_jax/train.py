@@ -36,7 +36,7 @@ from llm_jax.training.checkpointing import Checkpointer, check_same_model
 from llm_jax.config import ModelConfig
 from llm_jax.runtime.malloc import active_malloc, use_preferred_malloc
 from llm_jax.training.metrics import MetricsWriter, read_metrics
-from llm_jax.runtime.peak import measure_peak_flops
+from llm_jax.runtime.peak import peak_flops
 from llm_jax.training.preemption import Interrupted, StopRequest
 from llm_jax.training.run_config import model_config, validate_run_config
 from llm_jax.parallel.sharding import mesh_from_config
@@ -186,10 +186,12 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     seq_len = cfg.data.seq_len
     tokens_per_step = tc.batch_size * seq_len
     flops_per_token = describe.flops_per_token(mcfg, seq_len, training=True)
-    peak = tc.peak_flops or measure_peak_flops(mcfg.dtype)["peak"]
-    logging.info("model: %s params (%s active); %.3g train FLOPs/token; peak %.3g FLOP/s (%s)",
-                 f"{describe.total_params(mcfg):,}", f"{describe.active_params(mcfg):,}",
-                 flops_per_token, peak, mcfg.dtype)
+    peak, peak_source = ((tc.peak_flops, "train.peak_flops") if tc.peak_flops
+                         else peak_flops(mcfg.dtype))
+    logging.info("model: %s params (%s active); %.3g train FLOPs/token; MFU peak %.3g FLOP/s "
+                 "(%s; %s)", f"{describe.total_params(mcfg):,}",
+                 f"{describe.active_params(mcfg):,}", flops_per_token, peak, mcfg.dtype,
+                 peak_source)
     logging.info("kernels: %s", kernels_line(mcfg, tc.batch_size, seq_len))
     config_json = cfg.to_dict() | {"model": mcfg.to_dict()}  # init_from's config resolved
     proto = getattr(data.tokenizer, "_proto", None)

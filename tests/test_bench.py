@@ -23,7 +23,11 @@ EXPECTED = {
     and set(r["growth"]) >= {"dense", "ragged", "capacity"},
     "norm": lambda r: r["rms"]["step_s"] > 0 and r["layer"]["step_s"] > 0
     and r["layer_over_rms"] > 0,
-    "train": lambda r: all(row["llm_jax"]["tokens_per_s"] > 0 and 0 < row["llm_jax"]["mfu"]
+    "malloc": lambda r: {"system", "glibc"} <= {row["name"] for row in r["rows"]}
+    and all(row["step_s"] > 0 and row["minor_faults_per_step"] >= 0 for row in r["rows"])
+    and next(row for row in r["rows"] if row["name"] == "glibc")["malloc"] == "glibc (tuned)",
+    "train": lambda r: set(r["peak_source"]) == set(r["peak_flops"])
+    and all(row["llm_jax"]["tokens_per_s"] > 0 and 0 < row["llm_jax"]["mfu"]
                            and row["transformers"]["tokens_per_s"] > 0 and row["speedup"] > 0
                            and np.isfinite(row["llm_jax"]["last_loss"]) for row in r["rows"]),
     "decode": lambda r: all(row["llm_jax"]["decode_tokens_per_s"] > 0 for row in r["decode"]),

@@ -1,4 +1,5 @@
-"""The CLI's re-exec under tcmalloc: which environment it chooses, and that the child sees it."""
+"""The preferred malloc: which environment the CLIs re-execute with, that the child has the
+library mapped and does not loop, `llm_jax.run`, and glibc's in-process tuning."""
 
 import os
 import subprocess
@@ -8,19 +9,53 @@ import pytest
 
 from llm_jax.runtime import malloc
 
+TC = "/lib/libtcmalloc_minimal.so.4"
+MI = "/venv/cmeel.prefix/lib/libmimalloc.so"
 
-def test_auto_preloads_tcmalloc_first_and_keeps_existing_preloads(monkeypatch):
-    monkeypatch.setattr(malloc, "find_tcmalloc", lambda: "/lib/libtcmalloc_minimal.so.4")
+
+@pytest.fixture
+def libs(monkeypatch):
+    """Pretend tcmalloc and mimalloc are installed (`set(tc=None)` uninstalls one)."""
+    found = {"tc": TC, "mi": MI}
+    monkeypatch.setattr(malloc, "find_tcmalloc", lambda *a: found["tc"])
+    monkeypatch.setattr(malloc, "find_mimalloc", lambda *a: found["mi"])
+    return found
+
+
+def test_auto_prefers_tcmalloc_and_keeps_existing_preloads(libs):
     env = malloc.preload_env({"LD_PRELOAD": "/opt/libfoo.so", "PATH": "/bin"})
-    assert env == {"LD_PRELOAD": "/lib/libtcmalloc_minimal.so.4:/opt/libfoo.so", "PATH": "/bin"}
+    assert env == {"LD_PRELOAD": f"{TC}:/opt/libfoo.so", "PATH": "/bin"}
 
 
-def test_no_reexec_when_off_already_preloaded_or_not_installed(monkeypatch):
-    monkeypatch.setattr(malloc, "find_tcmalloc", lambda: "/lib/libtcmalloc_minimal.so.4")
+def test_auto_falls_back_to_the_wheels_mimalloc_which_keeps_its_pages(libs):
+    libs["tc"] = None
+    env = malloc.preload_env({"PATH": "/bin"})
+    assert env == {"LD_PRELOAD": MI, "MIMALLOC_PURGE_DELAY": "-1", "PATH": "/bin"}
+    env = malloc.preload_env({"MIMALLOC_PURGE_DELAY": "50"})  # the user's setting wins
+    assert env["MIMALLOC_PURGE_DELAY"] == "50"
+
+
+def test_named_choices_and_their_errors(libs):
+    assert malloc.preload_env({"LLM_JAX_MALLOC": "mimalloc"})["LD_PRELOAD"] == MI
+    assert malloc.preload_env({"LLM_JAX_MALLOC": "tcmalloc"})["LD_PRELOAD"] == TC
+    libs["tc"] = None
+    with pytest.raises(ValueError, match="LLM_JAX_MALLOC='tcmalloc' but no tcmalloc is "
+                                         "installed: apt install libtcmalloc-minimal4"):
+        malloc.preload_env({"LLM_JAX_MALLOC": "tcmalloc"})
+
+
+def test_no_reexec_when_off_already_preloaded_or_nothing_installed(libs):
     assert malloc.preload_env({"LLM_JAX_MALLOC": "system"}) is None
     assert malloc.preload_env({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) is None
-    monkeypatch.setattr(malloc, "find_tcmalloc", lambda: None)
+    assert malloc.preload_env({"LD_PRELOAD": TC}) is None
+    libs["tc"] = libs["mi"] = None
     assert malloc.preload_env({}) is None
+
+
+def test_the_reexecuted_environment_is_final(libs):
+    for choice in ("auto", "mimalloc", "tcmalloc"):
+        env = malloc.preload_env({"LLM_JAX_MALLOC": choice})
+        assert malloc.preload_env(env) is None, choice  # the child does not loop
 
 
 def test_explicit_library_path_is_used_once(tmp_path):
@@ -28,7 +63,7 @@ def test_explicit_library_path_is_used_once(tmp_path):
     lib.write_bytes(b"")
     env = malloc.preload_env({"LLM_JAX_MALLOC": str(lib)})
     assert env["LD_PRELOAD"] == str(lib)
-    assert malloc.preload_env(env) is None  # the re-executed child does not loop
+    assert malloc.preload_env(env) is None
 
 
 def test_missing_library_path_names_the_variable():
@@ -42,12 +77,70 @@ def test_find_tcmalloc_looks_in_the_given_dirs(tmp_path):
     assert malloc.find_tcmalloc((str(tmp_path),)) == str(tmp_path / "libtcmalloc.so.4")
 
 
-@pytest.mark.skipif(malloc.find_tcmalloc() is None, reason="no tcmalloc installed here")
-def test_reexec_keeps_argv_and_loads_tcmalloc_in_the_child():
-    code = ("import sys; from llm_jax.malloc import use_preferred_malloc; use_preferred_malloc(); "
-            "maps = open('/proc/self/maps').read(); "
-            "print(sys.argv[1:], 'tcmalloc' in maps)")
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LLM_JAX_MALLOC")}
-    out = subprocess.run([sys.executable, "-c", code, "a", "--b=1"], env=env, text=True,
-                         capture_output=True, timeout=60, check=True).stdout
-    assert out.strip() == "['a', '--b=1'] True"
+def test_find_mimalloc_locates_the_wheels_library():
+    assert malloc.find_mimalloc("no-such-distribution") is None
+    path = malloc.find_mimalloc()
+    if path is None:
+        pytest.skip("cmeel-mimalloc is not installed (a dependency on x86_64/aarch64 Linux)")
+    assert path.endswith(os.path.join("cmeel.prefix", "lib", "libmimalloc.so"))
+
+
+def test_mapped_malloc_reads_the_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+                    "7f02-7f03 r-xp 0 08:01 2 /venv/cmeel.prefix/lib/libmimalloc.so\n")
+    assert malloc.mapped_malloc(str(maps)) == "/venv/cmeel.prefix/lib/libmimalloc.so"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc_malloc_debug.so\n")
+    assert malloc.mapped_malloc(str(maps)) is None
+    assert malloc.mapped_malloc(str(tmp_path / "missing")) is None
+
+
+def _child_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "LLM_JAX_MALLOC") and not k.startswith("MIMALLOC_")}
+    return {**env, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+
+
+REPORT = ("import os, sys; from llm_jax.runtime.malloc import active_malloc; "
+          "print(sys.argv[1:], active_malloc(), os.environ.get('MIMALLOC_PURGE_DELAY'))")
+
+
+@pytest.mark.skipif(malloc.preload_env(_child_env()) is None, reason="no malloc library here")
+def test_reexec_keeps_argv_and_maps_the_library_in_the_child(tmp_path):
+    code = "from llm_jax.runtime.malloc import use_preferred_malloc; use_preferred_malloc(); "
+    out = subprocess.run([sys.executable, "-c", code + REPORT, "a", "--b=1"], env=_child_env(),
+                         text=True, capture_output=True, timeout=120, check=True).stdout
+    assert out.startswith("['a', '--b=1'] ")
+    lib = out.split()[-2]  # what /proc/self/maps shows, not only what LD_PRELOAD asks for
+    assert os.path.basename(lib).startswith(("libtcmalloc", "libmimalloc")), out
+
+
+@pytest.mark.skipif(malloc.preload_env(_child_env()) is None, reason="no malloc library here")
+def test_llm_jax_run_runs_a_script_under_the_library(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(REPORT + "; print(__name__)\n")
+    out = subprocess.run([sys.executable, "-m", "llm_jax.run", str(script), "x"],
+                         env=_child_env(), text=True, capture_output=True, timeout=120,
+                         check=True).stdout.split()
+    assert out[0] == "['x']" and "malloc" in os.path.basename(out[1]) and out[-1] == "__main__"
+    out = subprocess.run([sys.executable, "-m", "llm_jax.run", "-m", "json.tool", "--help"],
+                         env=_child_env(), text=True, capture_output=True, timeout=120)
+    assert out.returncode == 0 and "json.tool" in out.stdout
+
+
+def test_llm_jax_run_without_a_program_prints_usage():
+    out = subprocess.run([sys.executable, "-m", "llm_jax.run"], text=True, capture_output=True,
+                         env=_child_env(LLM_JAX_MALLOC="system"), timeout=120)
+    assert out.returncode == 1 and "usage: python -m llm_jax.run SCRIPT" in out.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_importing_llm_jax_tunes_glibc_unless_switched_off():
+    code = "import llm_jax; from llm_jax.runtime.malloc import active_malloc; print(active_malloc())"
+
+    def run(**env):
+        return subprocess.run([sys.executable, "-c", code], env=_child_env(**env), text=True,
+                              capture_output=True, timeout=120, check=True).stdout.strip()
+
+    assert run() == "glibc (tuned)"
+    assert run(LLM_JAX_MALLOC="system") == "system"

@@ -1,8 +1,9 @@
 """`python -m llm_jax.bench SUBCOMMAND`: print a table, write JSON (--json_out).
 
-Subcommands: peak, train, decode, prefill, moe, norm, attention, data, finetune (one module each in llm_jax/bench/).
-Every one takes --repeats N, --quick (tiny sizes, for tests) and --json_out FILE (default
-runs/bench/SUBCOMMAND.json). Results and how to read them: docs/benchmarks.md.
+Subcommands: peak, train, malloc, decode, prefill, moe, norm, attention, data, finetune (one
+module each in llm_jax/bench/). Every one takes --repeats N, --quick (tiny sizes, for tests)
+and --json_out FILE (default runs/bench/SUBCOMMAND.json). Results and how to read them:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Sequence
 
 from llm_jax.runtime.malloc import use_preferred_malloc
 
-SUBCOMMANDS = ("peak", "train", "decode", "prefill", "moe", "norm", "attention", "data", "finetune")
+SUBCOMMANDS = ("peak", "train", "malloc", "decode", "prefill", "moe", "norm", "attention", "data",
+               "finetune")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -16,20 +14,9 @@ from typing import Any
 import jax
 
 from llm_jax.runtime.malloc import active_malloc
+from llm_jax.runtime.peak import cpu_model
 
 DEFAULT_DIR = Path("runs/bench")
-
-
-def cpu_model() -> str:
-    """`lscpu`'s model name (else platform.processor())."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def load_average() -> list[float]:

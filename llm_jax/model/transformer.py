@@ -28,6 +28,7 @@ from llm_jax.model.kv_cache import KVCache, LayerCache
 from llm_jax.model.moe import MoE, MoEAux
 from llm_jax.model.norm import make_norm
 from llm_jax.model.params import normal, param
+from llm_jax.model.unembed_loss import cross_entropy_sum
 from llm_jax.parallel.sharding import constrain
 
 RESIDUAL = ("batch", "length", "embed")  # logical axes of the residual stream
@@ -128,6 +129,13 @@ class Transformer(nnx.Module):
         cdt = self.cfg.compute_dtype
         return jnp.einsum("BTD,VD->BTV", h_BTD.astype(cdt), self.unembedding[...].astype(cdt),
                           preferred_element_type=jnp.float32)
+
+    def cross_entropy_sum(self, h_BTD: jax.Array, targets_BT: jax.Array,
+                          weights_BT: jax.Array | None = None) -> jax.Array:
+        """sum_t weights_t * nll_t of `logits(h)`, without materialising [B, T, V] logits
+        (model/unembed_loss.py): what training and evaluation call."""
+        return cross_entropy_sum(h_BTD, self.unembedding[...], targets_BT, weights_BT,
+                                 dtype=self.cfg.compute_dtype)
 
     def __call__(
         self,

@@ -109,10 +109,9 @@ def loss_fn(
     """Cross-entropy summed over counted targets / `num_targets` (so microbatches add up to the
     global batch's mean), + weighted MoE auxiliary losses (Switch load balancing, z-loss)."""
     model = nnx.merge(graphdef, params)
-    logits_BTV, aux = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                            train=True, return_aux=True)
-    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
-    ce = (ce_BT * target_mask(batch)).sum() / num_targets
+    h_BTD, aux, _ = model.hidden_states(batch["inputs"], batch.get("positions"),
+                                        batch.get("segment_ids"), train=True)
+    ce = model.cross_entropy_sum(h_BTD, batch["targets"], target_mask(batch)) / num_targets
     lb = aux.load_balancing_loss.mean()
     z = aux.router_z_loss.mean()
     loss = ce + train.load_balancing_loss_weight * lb + train.router_z_loss_weight * z
@@ -173,11 +172,12 @@ def train_step(
 def eval_step(params: nnx.State, batch: Batch, *, graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
     """Sums over the batch's counted targets: negative log-likelihood (nats), targets, and
     their UTF-8 bytes (padding counts for nothing)."""
-    logits = nnx.merge(graphdef, params)(batch["inputs"], batch.get("positions"),
-                                         batch.get("segment_ids"))
+    model = nnx.merge(graphdef, params)
+    h_BTD, _, _ = model.hidden_states(batch["inputs"], batch.get("positions"),
+                                      batch.get("segment_ids"))
     mask_BT = target_mask(batch)
-    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]) * mask_BT
-    out = {"nll": nll_BT.sum(), "tokens": mask_BT.sum()}
+    out = {"nll": model.cross_entropy_sum(h_BTD, batch["targets"], mask_BT),
+           "tokens": mask_BT.sum()}
     if "target_bytes" in batch:
         out["bytes"] = (batch["target_bytes"] * mask_BT).sum()
     return out

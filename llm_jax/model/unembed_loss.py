@@ -1,0 +1,135 @@
+"""The unembedding and cross-entropy fused over chunks of time: training never holds [B, T, V].
+
+Shapes: B batch, T time, c time steps per chunk, n chunks (n c >= T), D hidden, V vocab.
+
+A scan walks n chunks of [B, c] tokens; each computes its logits [B, c, V] in float32, their
+log-sum-exp and target logit. Under differentiation the same pass also forms the chunk's
+gradient at once, (softmax - one-hot) x weight, and multiplies it into dh and dW, so the
+backward pass only scales two stored arrays by the incoming cotangent: three unembedding-sized
+matmuls as without chunking, and no recomputation (as Liger kernel's fused linear
+cross-entropy does). Evaluation runs the forward half alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# Tokens per chunk (B c): about 8 MB of float32 logits at V = 8,000, so a chunk stays in cache.
+CHUNK_TOKENS = 256
+# Chunks per loop iteration: more runs no faster on CPU and keeps more chunks alive at once.
+MAX_UNROLL = 2
+
+
+def chunk_steps(batch: int, seq_len: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """c: time steps per chunk, so that B c is about `chunk_tokens` (at least 1, at most T)."""
+    return max(1, min(seq_len, chunk_tokens // max(batch, 1)))
+
+
+def _split(x_BT: jax.Array, c: int, fill: int | float = 0) -> jax.Array:
+    """[B, T, ...] -> [n, B, c, ...], T padded with `fill` to n c."""
+    b, t = x_BT.shape[:2]
+    n = -(-t // c)
+    pad = [(0, 0), (0, n * c - t)] + [(0, 0)] * (x_BT.ndim - 2)
+    x = jnp.pad(x_BT, pad, constant_values=fill)
+    return jnp.moveaxis(x.reshape(b, n, c, *x_BT.shape[2:]), 1, 0)
+
+
+def _chunk_nll(h_BcD: jax.Array, w_VD: jax.Array, targets_Bc: jax.Array,
+               dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(float32 logits [B, c, V], log-sum-exp [B, c], nll [B, c]) of one chunk."""
+    logits_BcV = jnp.einsum("BcD,VD->BcV", h_BcD.astype(dtype), w_VD.astype(dtype),
+                            preferred_element_type=jnp.float32)
+    lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
+    target_Bc = jnp.take_along_axis(logits_BcV, targets_Bc[..., None], axis=-1)[..., 0]
+    return logits_BcV, lse_Bc, lse_Bc - target_Bc
+
+
+def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
+    def body(total, xs):
+        h, tgt, wt = xs
+        _, _, nll = _chunk_nll(h, w_VD, tgt, dtype)
+        return total + jnp.sum(wt * nll), None
+
+    xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs,
+                            unroll=min(MAX_UNROLL, xs[1].shape[0]))
+    return total
+
+
+def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
+    """(loss, dloss/dh [B, T, D], dloss/dW [V, D], nll [B, T]), all float32."""
+    b, t, d = h_BTD.shape
+    v = w_VD.shape[0]
+    w_cdt = w_VD.astype(dtype)
+
+    def body(carry, xs):
+        total, dw_VD = carry
+        h, tgt, wt = xs
+        logits_BcV, lse_Bc, nll_Bc = _chunk_nll(h, w_VD, tgt, dtype)
+        p_BcV = jnp.exp(logits_BcV - lse_Bc[..., None])
+        onehot_BcV = jax.nn.one_hot(tgt, v, dtype=jnp.float32)
+        g_BcV = ((p_BcV - onehot_BcV) * wt[..., None]).astype(dtype)
+        dh_BcD = jnp.einsum("BcV,VD->BcD", g_BcV, w_cdt, preferred_element_type=jnp.float32)
+        dw_VD = dw_VD + jnp.einsum("BcV,BcD->VD", g_BcV, h.astype(dtype),
+                                   preferred_element_type=jnp.float32)
+        return (total + jnp.sum(wt * nll_Bc), dw_VD), (dh_BcD, nll_Bc)
+
+    xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((v, d), jnp.float32))
+    (total, dw_VD), (dh_nBcD, nll_nBc) = jax.lax.scan(body, init, xs,
+                                                     unroll=min(MAX_UNROLL, xs[1].shape[0]))
+    dh_BTD = jnp.moveaxis(dh_nBcD, 0, 1).reshape(b, -1, d)[:, :t]
+    nll_BT = jnp.moveaxis(nll_nBc, 0, 1).reshape(b, -1)[:, :t]
+    return total, dh_BTD, dw_VD, nll_BT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
+    return _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c)
+
+
+def _fused_fwd(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
+    total, dh_BTD, dw_VD, nll_BT = _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c)
+    return total, (dh_BTD, dw_VD, nll_BT)
+
+
+def _fused_bwd(dtype, c, res, g):
+    dh_BTD, dw_VD, nll_BT = res
+    return g * dh_BTD, g * dw_VD, None, g * nll_BT
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def cross_entropy_sum(
+    h_BTD: jax.Array,
+    unembedding_VD: jax.Array,
+    targets_BT: jax.Array,
+    weights_BT: jax.Array | None = None,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    chunk_tokens: int | None = None,
+) -> jax.Array:
+    """sum_t weights_t (logsumexp(logits_t) - logits_t[target_t]) with logits = h W^T computed in
+    `dtype` with float32 results: the value and gradients of today's full-logits loss
+    `(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights).sum()`.
+    `weights_BT` (default all ones) is a loss mask or per-token weight: a token of weight 0
+    adds nothing to the loss or to any gradient. Divide by the weights' sum for a mean."""
+    b, t, d = h_BTD.shape
+    if targets_BT.shape != (b, t):
+        raise ValueError(f"targets shape {targets_BT.shape} does not match hidden states "
+                         f"{h_BTD.shape}: expected {(b, t)}")
+    if unembedding_VD.ndim != 2 or unembedding_VD.shape[1] != d:
+        raise ValueError(f"unembedding shape {unembedding_VD.shape}: expected (vocab, {d})")
+    if weights_BT is None:
+        weights_BT = jnp.ones((b, t), jnp.float32)
+    elif weights_BT.shape != (b, t):
+        raise ValueError(f"weights shape {weights_BT.shape}: expected {(b, t)}")
+    c = chunk_steps(b, t, chunk_tokens or CHUNK_TOKENS)
+    # float32 in and out of the custom VJP; `astype` casts the gradients back to each input's dtype.
+    f32 = jnp.float32
+    return _fused(h_BTD.astype(f32), unembedding_VD.astype(f32), targets_BT.astype(jnp.int32),
+                  weights_BT.astype(f32), jnp.dtype(dtype), c)

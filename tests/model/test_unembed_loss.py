@@ -1,0 +1,143 @@
+"""The chunked unembedding + cross-entropy against optax on full logits: values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from llm_jax.model.unembed_loss import cross_entropy_sum
+
+B, T, D, V = 3, 37, 16, 101  # T prime: the last chunk is padded
+
+
+def _inputs(seed: int = 0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    h_BTD = jax.random.normal(k[0], (B, T, D))
+    w_VD = 0.5 * jax.random.normal(k[1], (V, D))
+    targets_BT = jax.random.randint(k[2], (B, T), 0, V)
+    mask_BT = (jax.random.uniform(k[3], (B, T)) > 0.3).astype(jnp.float32)
+    return h_BTD, w_VD, targets_BT, mask_BT
+
+
+def _reference(h_BTD, w_VD, targets_BT, weights_BT):
+    logits_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, w_VD, preferred_element_type=jnp.float32)
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    return (nll_BT * weights_BT).sum() / weights_BT.sum()
+
+
+def _fused(chunk_tokens):
+    def f(h_BTD, w_VD, targets_BT, weights_BT):
+        return cross_entropy_sum(h_BTD, w_VD, targets_BT, weights_BT,
+                                 chunk_tokens=chunk_tokens) / weights_BT.sum()
+    return f
+
+
+def _close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_tokens, masked", [(1, True), (16, False), (16, True),
+                                                  (10_000, True)])  # 1 step, padded, 1 chunk
+def test_values_and_gradients_match_full_logits(chunk_tokens, masked):
+    h, w, tg, mask = _inputs()
+    weights = mask if masked else jnp.ones_like(mask)
+    with jax.default_matmul_precision("highest"):
+        ref_v, ref_g = jax.value_and_grad(_reference, argnums=(0, 1))(h, w, tg, weights)
+        v, g = jax.jit(jax.value_and_grad(_fused(chunk_tokens), argnums=(0, 1)))(h, w, tg, weights)
+    _close(v, ref_v)
+    _close(g[0], ref_g[0])
+    _close(g[1], ref_g[1])
+
+
+def test_masked_tokens_get_exactly_zero_gradient():
+    h, w, tg, mask = _inputs(1)
+    g_BTD = jax.grad(lambda h: cross_entropy_sum(h, w, tg, mask, chunk_tokens=16))(h)
+    assert np.all(np.asarray(g_BTD)[np.asarray(mask) == 0] == 0)
+    assert np.all(np.abs(np.asarray(g_BTD)[np.asarray(mask) == 1]).sum(-1) > 0)
+
+
+def test_without_gradients_matches_and_weights_default_to_ones():
+    h, w, tg, _ = _inputs(2)
+    with jax.default_matmul_precision("highest"):
+        ref = _reference(h, w, tg, jnp.ones((B, T))) * B * T
+        _close(cross_entropy_sum(h, w, tg, chunk_tokens=16), ref)
+        _close(jax.jit(lambda h: cross_entropy_sum(h, w, tg))(h), ref)
+
+
+def test_gradient_with_respect_to_weights_is_the_token_nll():
+    h, w, tg, mask = _inputs(3)
+    logits = jnp.einsum("BTD,VD->BTV", h, w, precision="highest")
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits, tg)
+    with jax.default_matmul_precision("highest"):
+        g_BT = jax.grad(lambda m: cross_entropy_sum(h, w, tg, m, chunk_tokens=16))(mask)
+    _close(g_BT, nll_BT)
+
+
+def test_bfloat16_matmuls_stay_close():
+    h, w, tg, mask = _inputs(4)
+    ref = _reference(h.astype(jnp.bfloat16).astype(jnp.float32),
+                     w.astype(jnp.bfloat16).astype(jnp.float32), tg, mask)
+    v = cross_entropy_sum(h.astype(jnp.bfloat16), w, tg, mask, dtype=jnp.bfloat16) / mask.sum()
+    np.testing.assert_allclose(float(v), float(ref), rtol=1e-3)
+    g = jax.grad(lambda h: cross_entropy_sum(h, w, tg, mask, dtype=jnp.bfloat16))(
+        h.astype(jnp.bfloat16))
+    assert g.dtype == jnp.bfloat16
+
+
+def test_shape_errors_name_the_expected_shape():
+    h, w, tg, mask = _inputs()
+    with pytest.raises(ValueError, match=r"targets shape \(3, 36\).*expected \(3, 37\)"):
+        cross_entropy_sum(h, w, tg[:, :-1])
+    with pytest.raises(ValueError, match=r"unembedding shape \(101, 8\): expected \(vocab, 16\)"):
+        cross_entropy_sum(h, w[:, :8], tg)
+    with pytest.raises(ValueError, match=r"weights shape \(3,\): expected \(3, 37\)"):
+        cross_entropy_sum(h, w, tg, mask[:, 0])
+
+
+def test_training_loss_and_gradients_equal_the_full_logits_loss():
+    """loss_fn's fused cross-entropy against optax on `model(tokens)` logits, through the model."""
+    from flax import nnx
+
+    from llm_jax.config import ModelConfig
+    from llm_jax.model import init_model
+    from llm_jax.training.run_config import default_run_config
+    from llm_jax.training.step import eval_step, loss_fn
+
+    cfg = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=97,
+                      hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
+                      num_key_value_heads=2, moe_dispatch="dense")
+    train = default_run_config("t", cfg).train
+    graphdef, params = nnx.split(init_model(cfg, seed=5), nnx.Param)
+    tokens = jax.random.randint(jax.random.key(6), (2, 33), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def reference(params):
+        logits, _ = nnx.merge(graphdef, params)(batch["inputs"], train=True, return_aux=True)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    def fused(params):
+        return loss_fn(params, graphdef, batch, train)[1]["loss"]
+
+    with jax.default_matmul_precision("highest"):
+        ref_v, ref_g = jax.jit(jax.value_and_grad(reference))(params)
+        v, g = jax.jit(jax.value_and_grad(fused))(params)
+        ev = eval_step(params, batch, graphdef=graphdef)
+    _close(v, ref_v)
+    jax.tree.map(_close, g, ref_g)
+    _close(ev["nll"] / ev["tokens"], ref_v)
+
+
+def test_train_step_holds_no_full_logits():
+    from llm_jax.bench.train import quick_model_config, random_batch, tiny_run_config
+    from llm_jax.parallel.sharding import make_mesh
+    from llm_jax.training.step import compile_steps
+
+    cfg = quick_model_config().replace(vocab_size=347)  # a V no other array has
+    train = tiny_run_config().train.copy_and_resolve_references()
+    train.batch_size, train.grad_accum_steps = 4, 1
+    steps = compile_steps(cfg, train, make_mesh(devices=jax.devices()[:1]), 0)
+    batch = {k: jnp.asarray(v) for k, v in random_batch(cfg.vocab_size, 4, 128).items()}
+    hlo = steps.train.lower(steps.abstract_state, batch).compile().as_text()
+    assert "f32[4,128,347]" not in hlo and "f32[512,347]" not in hlo  # [B, T, V], [B T, V]
+    assert "f32[4,64,347]" in hlo  # one chunk: 256 tokens at a time
