@@ -28,7 +28,7 @@ from llm_jax.training.restore_check import RestoreError
 from llm_jax.config import ModelConfig
 from llm_jax.training.run_config import default_run_config, model_config, validate_run_config
 from llm_jax.parallel.sharding import make_mesh
-from llm_jax.train import train
+from llm_jax.training.loop import train
 from llm_jax.training.step import compile_steps
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from llm_jax.training.checkpointing import Checkpointer, restore_params
 from llm_jax.config import ModelConfig
 from llm_jax.training.run_config import default_run_config, model_config
 from llm_jax.parallel.sharding import make_mesh
-from llm_jax.train import train
+from llm_jax.training.loop import train
 from llm_jax.training.step import compile_steps, decay_mask, learning_rate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]

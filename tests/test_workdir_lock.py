@@ -27,7 +27,7 @@ time.sleep(120)
 def test_second_training_run_is_refused_naming_the_holder(corpus_dir, tmp_path):
     from test_reliability import _small_cfg
 
-    from llm_jax.train import train
+    from llm_jax.training.loop import train
 
     workdir = tmp_path / "run"
     workdir.mkdir()

@@ -158,7 +158,7 @@ def train_step(
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, trained)
     params = optax.apply_updates(trained, updates)
-    # One scalar the loop reads per step (llm_jax.train): a non-finite update is never saved.
+    # One scalar the loop reads per step (training/loop.py): a non-finite update is never saved.
     finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm)
     if train.get("skip_nonfinite_updates", False):  # keep the old params and moments
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),

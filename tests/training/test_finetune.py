@@ -31,7 +31,7 @@ from llm_jax.export import export  # noqa: E402
 from llm_jax.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from llm_jax.data.sft import make_sft_data, tokenize_conversation  # noqa: E402
 from llm_jax.model.lora import LoRAParam, add_lora  # noqa: E402
-from llm_jax.train import train  # noqa: E402
+from llm_jax.training.loop import train  # noqa: E402
 from llm_jax.training.finetune import restore_finetuned  # noqa: E402
 from llm_jax.training.metrics import read_metrics  # noqa: E402
 from llm_jax.training.step import eval_step, loss_fn, target_mask  # noqa: E402
