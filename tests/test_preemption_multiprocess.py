@@ -27,6 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 
 from local import free_port  # noqa: E402
+from test_distributed import FAST_XLA  # noqa: E402  (cheap compiles; the same for every run)
 from test_reliability import OVERRIDES, ROOT, _complete_steps, _params, _records  # noqa: E402
 
 from llm_jax.checkpointing import tmp_leftovers  # noqa: E402
@@ -49,7 +50,8 @@ class Job:
         self.workdir, self.logs, self.procs = workdir, [], []
         for i in range(2):
             env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": address,
-                   "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i), "JAX_NUM_CPU_DEVICES": "1"}
+                   "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i), "JAX_NUM_CPU_DEVICES": "1",
+                   "XLA_FLAGS": FAST_XLA}
             self.logs.append(workdir.parent / f"{workdir.name}.{name}.{i}.log")
             with open(self.logs[-1], "w") as f:
                 self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
