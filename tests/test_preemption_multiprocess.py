@@ -1,7 +1,14 @@
 """Multi-process preemption (issue 16): the training CLI as two processes on 127.0.0.1, SIGTERM to
 one of them, then (after a resume) to both. Each time both processes must stop after the same
-step, save it together and exit 143; the run resumed to the end must equal an uninterrupted one
-bitwise (the loss at every step, the final params). Nothing listens or connects beyond 127.0.0.1.
+step, save it together and exit 143; the resumed run must equal an uninterrupted one bitwise (the
+loss at every logged step, the params saved at its preemption). Nothing listens or connects
+beyond 127.0.0.1.
+
+JAX polls for SIGTERM once a second, so how many steps pass before the stop depends on the
+machine. The interrupted runs therefore ask for far more steps than they will run, and the
+uninterrupted one is run afterwards to exactly the step the second one stopped at: with
+`train.min_lr_ratio=1` the learning rate after warmup is `peak * 1.0` whatever `num_steps` is,
+so the two trajectories are the same computation.
 """
 
 from __future__ import annotations
@@ -20,30 +27,31 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 
 from local import free_port  # noqa: E402
+from test_distributed import FAST_XLA  # noqa: E402  (cheap compiles; the same for every run)
 from test_reliability import OVERRIDES, ROOT, _complete_steps, _params, _records  # noqa: E402
 
 from llm_jax.training.checkpointing import tmp_leftovers  # noqa: E402
 
-# JAX polls for SIGTERM once a second: at 25 ms a step (an idle 2-core machine) the notice takes
-# up to ~60 steps to stop the run, twice over; the runs log (and agree on SIGINT) every 4 steps.
-NUM_STEPS, LOG_EVERY = 160, 4
+UNTIL_STOPPED, LOG_EVERY = 100_000, 4  # steps asked of the interrupted runs; log (and agree
+# on SIGINT) every 4 steps
 RNG = np.random.default_rng(16)
 
 
 class Job:
     """Two processes of the CLI on one coordinator at 127.0.0.1; output in WORKDIR.NAME.P.log."""
 
-    def __init__(self, workdir: Path, corpus_dir: str, name: str):
+    def __init__(self, workdir: Path, corpus_dir: str, name: str, num_steps: int = UNTIL_STOPPED):
         args = {**OVERRIDES, "data.files": os.path.join(corpus_dir, "*"), "mesh.dcn_data": 2,
-                "train.num_steps": NUM_STEPS, "train.log_every_steps": LOG_EVERY,
-                "checkpoint.every_steps": NUM_STEPS}
+                "train.num_steps": num_steps, "train.min_lr_ratio": 1.0,
+                "train.log_every_steps": LOG_EVERY, "checkpoint.every_steps": UNTIL_STOPPED}
         cmd = ([sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
                 f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in args.items()])
         address = f"127.0.0.1:{free_port()}"
         self.workdir, self.logs, self.procs = workdir, [], []
         for i in range(2):
             env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": address,
-                   "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i), "JAX_NUM_CPU_DEVICES": "1"}
+                   "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i), "JAX_NUM_CPU_DEVICES": "1",
+                   "XLA_FLAGS": FAST_XLA}
             self.logs.append(workdir.parent / f"{workdir.name}.{name}.{i}.log")
             with open(self.logs[-1], "w") as f:
                 self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
@@ -89,7 +97,7 @@ def _preempt(workdir: Path, corpus_dir: str, name: str, signalled: list[int]) ->
         job.procs[i].send_signal(signal.SIGTERM)
     assert job.finish() == [128 + signal.SIGTERM] * 2, [job.text(i)[-2000:] for i in range(2)]
     step = job.stopped_at()
-    assert at <= step < NUM_STEPS
+    assert step >= at
     assert _complete_steps(workdir)[-1] == step and not tmp_leftovers(
         str(workdir / "checkpoints"))
     data = workdir / "checkpoints" / str(step) / "data"
@@ -104,19 +112,18 @@ def _preempt(workdir: Path, corpus_dir: str, name: str, signalled: list[int]) ->
 @pytest.mark.slow
 def test_sigterm_to_one_process_and_to_all_then_resume_equals_an_uninterrupted_run(
         corpus_dir, tmp_path):
-    reference = Job(tmp_path / "reference", corpus_dir, "straight")  # meanwhile, on its own
     workdir = tmp_path / "run"
     first = _preempt(workdir, corpus_dir, "sigterm-one", signalled=[1])
     second = _preempt(workdir, corpus_dir, "sigterm-all", signalled=[0, 1])
     assert second > first
 
-    job = Job(workdir, corpus_dir, "finish")
-    assert job.finish() == [0, 0], job.text()[-3000:]
-    assert f"resumed from step {second}" in job.text()
+    reference = Job(tmp_path / "reference", corpus_dir, "straight", num_steps=second)
     assert reference.finish() == [0, 0], reference.text()[-3000:]
+    assert _complete_steps(tmp_path / "reference") == [second]
     for a, b in zip(_params(tmp_path / "reference"), _params(workdir), strict=True):
-        np.testing.assert_array_equal(a, b)  # final params, bitwise
+        np.testing.assert_array_equal(a, b)  # the params at the second preemption, bitwise
     # Every step both logged has the same loss (a resumed run also logs its first step).
     ref = {r["step"]: r["loss"] for r in _records(tmp_path / "reference")}
     run = {r["step"]: r["loss"] for r in _records(workdir)}
-    assert set(ref) <= set(run) and all(run[s] == ref[s] for s in ref)
+    common = set(ref) & set(run)
+    assert len(common) >= second // LOG_EVERY and all(run[s] == ref[s] for s in common)
