@@ -117,7 +117,7 @@ def test_training_loss_and_gradients_equal_the_full_logits_loss():
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
     def fused(params):
-        return loss_fn(params, graphdef, batch, train)[1]["loss"]
+        return loss_fn(params, graphdef, batch, train, batch["targets"].size)[1]["loss"]
 
     with jax.default_matmul_precision("highest"):
         ref_v, ref_g = jax.jit(jax.value_and_grad(reference))(params)
