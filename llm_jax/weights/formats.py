@@ -59,7 +59,7 @@ ARCH_FIELDS = (
 )
 # Fields a caller may change at load time: they choose how the function is computed, not what.
 OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "moe_dispatch", "moe_capacity_factor", "remat",
-                      "scan_layers")
+                      "scan_layers", "attention_impl")
 
 # OCP MX FP4 (E2M1) code points, low nibble first (docs/model.md, "MXFP4").
 FP4_VALUES = np.array(
