@@ -27,6 +27,7 @@ class DataConfig:
     validation_fraction: float = 0.02  # local text: share of files (by path hash) held out
     seq_len: int = 256
     shuffle_seed: int = 0
+    shuffle_buffer_tokens: int = 1 << 20  # packed rows shuffled together (pipeline.py); 0 = off
     worker_count: int = 0  # Grain worker processes; 0 = load in the main process
     prefetch: int = 2  # batches read ahead by a background thread; 0 = none
     tokenizer_train_bytes: int = 20_000_000  # text used to train the BPE tokenizer
@@ -50,6 +51,8 @@ class DataConfig:
             bad("seq_len", "a positive number of tokens")
         if not 0 <= self.shuffle_seed < 2**32:
             bad("shuffle_seed", "an integer in [0, 2**32)")
+        if self.shuffle_buffer_tokens < 0:
+            bad("shuffle_buffer_tokens", ">= 0 (0 = no row shuffle)")
         if self.worker_count < 0:
             bad("worker_count", ">= 0")
         if self.prefetch < 0:

@@ -89,6 +89,7 @@ RUN_FIELD_DOCS: dict[str, str] = {
     "data.validation_fraction": "share of local files held out for evaluation",
     "data.seq_len": "training sequence length T: attention cost and activations grow with it",
     "data.shuffle_seed": "seed of the data order",
+    "data.shuffle_buffer_tokens": "packed rows shuffled together (long documents spread out)",
     "data.worker_count": "Grain worker processes (0 = main process)",
     "data.prefetch": "batches read ahead by a background thread",
     "data.tokenizer_train_bytes": "text used to train the BPE tokenizer",

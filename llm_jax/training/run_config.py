@@ -31,6 +31,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.data.validation_fraction = 0.02  # local text: share of files (by path hash) held out
     cfg.data.seq_len = 256
     cfg.data.shuffle_seed = 0
+    cfg.data.shuffle_buffer_tokens = 1 << 20  # packed rows shuffled together; 0 = off
     cfg.data.worker_count = 0  # Grain worker processes; 0 = load in the main process
     cfg.data.prefetch = 2  # batches read ahead by a background thread; 0 = none
     cfg.data.tokenizer_train_bytes = 20_000_000  # text used to train the BPE tokenizer

@@ -66,6 +66,17 @@ def _documents_in(batches, eos: int, n_targets: int) -> list[tuple[int, ...]]:
     return [tuple(d) for d in np.split(stream, cuts) if len(d)]
 
 
+def test_row_shuffle_permutes_each_window_of_packed_rows(cfg, workdir):
+    window = 12  # rows; 3 batches of 4
+    plain = _data(cfg, workdir, shuffle_buffer_tokens=0).train_iter
+    shuffled = _data(cfg, workdir, shuffle_buffer_tokens=window * SEQ_LEN).train_iter
+    for _ in range(2):  # two windows
+        a = np.concatenate([b["inputs"] for b in _take(plain, 3)])
+        b = np.concatenate([b["inputs"] for b in _take(shuffled, 3)])
+        assert sorted(map(tuple, a)) == sorted(map(tuple, b))  # the same rows ...
+        assert not np.array_equal(a, b)  # ... in another order
+
+
 def test_rows_are_packed_documents_with_positions_and_segments(cfg, workdir):
     data = _data(cfg, workdir)
     starts = 0
@@ -92,6 +103,7 @@ def test_an_epoch_over_two_processes_has_every_document_exactly_once(source, cfg
     if source == "local_text":  # one TFDS shard: the processes split its records evenly
         cfg = DataConfig(files=f"{corpus_dir}/*", validation_fraction=0.2, seq_len=SEQ_LEN)
         workdir, vocab = str(tmp_path), 400
+    cfg = dataclasses.replace(cfg, shuffle_buffer_tokens=0)  # rows in document order
     shares = []
     for p in range(2):
         data = _data(cfg, workdir, index=p, count=2, batch=4, vocab=vocab)
@@ -114,7 +126,7 @@ def test_order_is_fixed_by_seed_and_process_and_reshuffled_each_epoch(cfg, workd
     _assert_same(a, _take(_data(cfg, workdir).train_iter, 3))
     b = _take(_data(cfg, workdir, shuffle_seed=1).train_iter, 3)
     assert not np.array_equal(a[0]["inputs"], b[0]["inputs"])
-    data = _data(cfg, workdir, batch=1)
+    data = _data(cfg, workdir, batch=1, shuffle_buffer_tokens=0)  # rows in document order
     docs = _share_targets(data, "train", 0, 1)
     n = sum(map(len, docs))
     rows = _take(data.train_iter, 2 * n // SEQ_LEN + 2)
