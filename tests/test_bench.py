@@ -49,3 +49,16 @@ def test_bench_quick_writes_json_with_expected_keys(command, tmp_path, capsys):
     assert {"date", "cpu_model", "cpu_count", "load_average", "malloc"} <= set(r["machine"])
     assert EXPECTED[command](r), r
     assert "|" in capsys.readouterr().out  # printed its table
+
+
+def test_isolated_contender_runs_in_its_own_process_and_reports_a_failed_start():
+    import functools
+    import os
+
+    from llm_jax.bench.common import Isolated
+
+    with Isolated(functools.partial(functools.partial, os.getpid)) as worker:
+        worker()  # builds os.getpid in the child and calls it there
+        assert worker.loss is None
+    with pytest.raises(RuntimeError, match="failed to start"):
+        Isolated(functools.partial(int, "not a number"))

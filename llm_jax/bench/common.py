@@ -54,6 +54,62 @@ def alternate(fns: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int
     return times
 
 
+def _serve(factory: Callable[[], Callable[[], Any]], conn: Any) -> None:
+    """The child's loop: build the contender, then run it once per request."""
+    fn = factory()
+    conn.send("ready")
+    while conn.recv() == "call":
+        fn()
+        conn.send(getattr(fn, "loss", None))
+    conn.close()
+
+
+class Isolated:
+    """A contender that runs in its own (spawned) process, called from the parent like a function.
+
+    Two runtimes in one process slow each other down: torch's and XLA's thread pools, their
+    allocators and caches share it (measured: the llm_jax train step took 680 ms alternating
+    with transformers in one process, 560 ms alone). In separate processes, the idle one waits
+    on a pipe while the other runs. `factory` must be picklable (a module-level function or a
+    functools.partial of one); it builds the callable in the child. `loss` mirrors the child's.
+    """
+
+    def __init__(self, factory: Callable[[], Callable[[], Any]]):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(factory, child), daemon=True)
+        self._proc.start()
+        child.close()
+        self.loss: Any = None
+        try:
+            ready = self._conn.recv()
+        except EOFError:
+            ready = None
+        if ready != "ready":
+            self._proc.join(5)
+            raise RuntimeError(f"benchmark worker for {factory!r} failed to start "
+                               f"(exit code {self._proc.exitcode}); its error is above")
+
+    def __call__(self) -> None:
+        self._conn.send("call")
+        self.loss = self._conn.recv()
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._conn.send("stop")
+            self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+    def __enter__(self) -> Isolated:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 

@@ -7,7 +7,9 @@ Both sides hold the same weights (the llm_jax init, exported with `save_hf` and 
 GptOssForCausalLM, eager attention) and take the same batch of random tokens. llm_jax bf16 is
 dtype=bfloat16 with float32 weights; transformers bf16 is float32 weights under
 torch.autocast("cpu", dtype=torch.bfloat16). One timed call = `steps` optimizer steps; the two
-sides alternate A B A B for `repeats` calls after one warm-up call each; medians are reported.
+sides alternate A B A B for `repeats` calls after one warm-up call each, each side in its own
+process (`common.Isolated`: in one process the two runtimes slow each other down); medians are
+reported.
 MFU = tokens/s x describe.flops_per_token / the machine's cached matmul peak of the compute
 dtype (`llm_jax.runtime.peak.peak_flops`; its source is printed and in the JSON).
 """
@@ -23,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llm_jax.bench.common import alternate, machine, median, table
+import functools
+
+from llm_jax.bench.common import Isolated, alternate, machine, median, table
 from llm_jax.config import ModelConfig
 from llm_jax.model.costs import flops_per_token
 
@@ -129,6 +133,30 @@ class TorchTrainer:
         self.loss = float(loss.detach())
 
 
+class Repeated:
+    """`trainer(steps)` as a no-argument call (what `alternate` and `Isolated` run)."""
+
+    def __init__(self, trainer: Any, steps: int):
+        self.trainer, self.steps = trainer, steps
+
+    def __call__(self) -> None:
+        self.trainer(self.steps)
+
+    @property
+    def loss(self) -> float:
+        return self.trainer.loss
+
+
+def jax_contender(cfg: ModelConfig, train_cfg, batch: dict[str, np.ndarray], steps: int
+                  ) -> Repeated:
+    return Repeated(JaxTrainer(cfg, train_cfg, batch), steps)
+
+
+def torch_contender(cfg: ModelConfig, train_cfg, batch: dict[str, np.ndarray], steps: int,
+                    bf16: bool) -> Repeated:
+    return Repeated(TorchTrainer(hf_model(cfg), train_cfg, batch, bf16=bf16), steps)
+
+
 def measure_peaks(dtypes, *, quick: bool) -> tuple[dict[str, float], dict[str, str]]:
     """The MFU denominator per dtype and its source: the machine's cached peak
     (`runtime.peak.peak_flops`); --quick measures a small matmul instead, and caches nothing."""
@@ -157,8 +185,6 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
     if hf:
         import torch
         torch_info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
-        twin = hf_model(base)
-        init_state = {k: v.clone() for k, v in twin.state_dict().items()}
     rows = []
     for b, t in shapes:
         batch = random_batch(base.vocab_size, b, t)
@@ -166,12 +192,16 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
             cfg = base.replace(dtype=dtype)
             tc = run_cfg.train.copy_and_resolve_references()
             tc.batch_size, tc.grad_accum_steps = b, 1
-            fns = {"llm_jax": JaxTrainer(cfg, tc, batch)}
+            # Each side in its own process, the same weights (hf_model exports llm_jax's init).
+            fns = {"llm_jax": Isolated(functools.partial(jax_contender, cfg, tc, batch, steps))}
             if hf:
-                twin.load_state_dict(init_state)
-                fns["transformers"] = TorchTrainer(twin, tc, batch, bf16=dtype == "bfloat16")
-            times = alternate({k: (lambda f=f: f(steps)) for k, f in fns.items()},
-                              repeats=repeats)
+                fns["transformers"] = Isolated(functools.partial(
+                    torch_contender, base, tc, batch, steps, dtype == "bfloat16"))
+            try:
+                times = alternate(fns, repeats=repeats)
+            finally:
+                for f in fns.values():
+                    f.close()
             fpt = flops_per_token(cfg, t)
             row = {"batch": b, "seq_len": t, "dtype": dtype, "steps_per_call": steps,
                    "flops_per_token": fpt, "peak_flops": peaks[dtype]}
@@ -185,7 +215,8 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
             if profile:
                 from llm_jax.bench.profile import breakdown, format_breakdown
 
-                j = fns["llm_jax"]
+                j = JaxTrainer(cfg, tc, batch)  # in this process, for the profiler
+                j(1)
                 hlo = j.steps.train.lower(j.state, j.batch).compile().as_text()
                 row["llm_jax"]["profile"] = breakdown(lambda: j(1), hlo)
                 print(format_breakdown(row["llm_jax"]["profile"]), flush=True)
