@@ -4,7 +4,8 @@
         [--new_tokens 256] [--no_hf]
 
 Random weights of configs/tiny.py's model, greedy: llm_jax's on-device decode loop
-(`llm_jax.sample`) against GptOssForCausalLM.generate with eager attention on the same weights;
+(`llm_jax.sample`) against GptOssForCausalLM.generate with eager attention on the same weights,
+run in a process of its own (two runtimes in one process slow each other down, bench/common.py);
 and the real cache's bytes against describe.kv_cache_bytes at several contexts.
 """
 
@@ -68,7 +69,6 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
     model = init_model(cfg, seed)
     rng = np.random.default_rng(seed)
     rows = []
-    hf_model = _hf_twin(model) if hf else None
     graphdef, state = nnx.split(model)
     jprefill = jax.jit(lambda s, t, n: prefill(
         nnx.merge(graphdef, s), t, n, init_cache(cfg, t.shape[0], prompt_len + new_tokens))[0])
@@ -87,8 +87,9 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
                "llm_jax": {"prefill_s": t_prefill, "total_s": t_total,
                            "first_call_s": compile_s,
                            "decode_tokens_per_s": b * (new_tokens - 1) / (t_total - t_prefill)}}
-        if hf_model is not None:
-            row["transformers"] = _bench_hf(hf_model, prompts, new_tokens, repeats)
+        if hf:
+            row["transformers"] = _in_own_process(_hf_row, cfg, seed, prompts, new_tokens,
+                                                  repeats)
         rows.append(row)
     kv = []
     for c in (cfg, cfg.replace(sliding_window=128)):
@@ -98,6 +99,21 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
                        "predicted_bytes": kv_cache_bytes(c, t, batch=1)})
     return {"config": cfg.to_dict(), "devices": str(jax.devices()), "cpu_count": os.cpu_count(),
             "repeats": repeats, "decode": rows, "kv_cache": kv}
+
+
+def _in_own_process(fn: Callable[..., Any], *args: Any) -> Any:
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def _hf_row(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: int,
+            repeats: int) -> dict[str, float]:
+    """transformers' side, in a fresh process: the twin of `init_model(cfg, seed)`, timed."""
+    from llm_jax.model import init_model
+
+    return _bench_hf(_hf_twin(init_model(cfg, seed)), prompts, new_tokens, repeats)
 
 
 def _hf_twin(model: nnx.Module):
