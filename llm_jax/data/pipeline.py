@@ -191,7 +191,7 @@ def make_datasets(
                           worker_count=cfg.worker_count, prefetch=cfg.prefetch,
                           shuffle_buffer_tokens=cfg.shuffle_buffer_tokens)
     where = splits.splits["train"]
-    identity = {"format": 2, "dataset": splits.name,
+    identity = {"format": 3, "dataset": splits.name,
                 "split": where if isinstance(where, str) else f"{len(where)} shards",
                 "tokenizer": tok.fingerprint, "seq_len": cfg.seq_len, "batch_size": batch_size,
                 "shuffle_seed": cfg.shuffle_seed, "worker_count": cfg.worker_count,
