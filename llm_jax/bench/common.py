@@ -93,8 +93,13 @@ class Isolated:
                                f"(exit code {self._proc.exitcode}); its error is above")
 
     def __call__(self) -> None:
-        self._conn.send("call")
-        self.loss = self._conn.recv()
+        try:
+            self._conn.send("call")
+            self.loss = self._conn.recv()
+        except (EOFError, BrokenPipeError) as e:
+            self._proc.join(5)
+            raise RuntimeError(f"benchmark worker died during a call (exit code "
+                               f"{self._proc.exitcode}); its error is above") from e
 
     def close(self) -> None:
         if self._proc.is_alive():
@@ -108,6 +113,14 @@ class Isolated:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def in_own_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` once, in a fresh spawned process (see `Isolated`); `fn` must be picklable."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
 
 
 def median(xs: Sequence[float]) -> float:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm_jax.bench.common import machine, table
+from llm_jax.bench.common import in_own_process, machine, table
 from llm_jax.bench.train import quick_model_config, tiny_run_config
 from llm_jax.config import ModelConfig
 from llm_jax.inference.loop import prefill
@@ -88,7 +88,7 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
                            "first_call_s": compile_s,
                            "decode_tokens_per_s": b * (new_tokens - 1) / (t_total - t_prefill)}}
         if hf:
-            row["transformers"] = _in_own_process(_hf_row, cfg, seed, prompts, new_tokens,
+            row["transformers"] = in_own_process(_hf_row, cfg, seed, prompts, new_tokens,
                                                   repeats)
         rows.append(row)
     kv = []
@@ -99,13 +99,6 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
                        "predicted_bytes": kv_cache_bytes(c, t, batch=1)})
     return {"config": cfg.to_dict(), "devices": str(jax.devices()), "cpu_count": os.cpu_count(),
             "repeats": repeats, "decode": rows, "kv_cache": kv}
-
-
-def _in_own_process(fn: Callable[..., Any], *args: Any) -> Any:
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
 
 
 def _hf_row(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: int,

@@ -17,6 +17,7 @@ dtype (`llm_jax.runtime.peak.peak_flops`; its source is printed and in the JSON)
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 from typing import Any
@@ -24,8 +25,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import functools
 
 from llm_jax.bench.common import Isolated, alternate, machine, median, table
 from llm_jax.config import ModelConfig

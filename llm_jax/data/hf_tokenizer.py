@@ -53,8 +53,10 @@ class HFTokenizer:
                              f"its {TOKENIZER_FILE} (set sft.tokenizer to a directory holding one)")
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(tok_path))
-        except Exception as e:  # the library raises a bare Exception on bad JSON
-            raise ValueError(f"tokenizer file {tok_path} is corrupt: {e}") from e
+        except MemoryError:
+            raise
+        except Exception as e:  # the library raises a bare Exception on bad JSON or a bad read
+            raise ValueError(f"tokenizer file {tok_path} is corrupt or unreadable: {e}") from e
         config: dict[str, Any] = {}
         cfg_path = d / TOKENIZER_CONFIG
         if cfg_path.exists():

@@ -78,7 +78,8 @@ def shuffle_rows(seq_len: int, shuffle_buffer_tokens: int) -> int:
 
 def train_dataset(docs: DocumentSource, tok: Tokenizer, *, seq_len: int, batch_size: int,
                   seed: int, worker_count: int = 0, prefetch: int = 2,
-                  shuffle_buffer_tokens: int = 0) -> grain.IterDataset:
+                  shuffle_buffer_tokens: int = DataConfig.shuffle_buffer_tokens
+                  ) -> grain.IterDataset:
     """Endless shuffled batches of packed rows from one process's documents (module doc)."""
     if len(docs) == 0:
         raise ValueError("this process's share of the training data holds no documents: "

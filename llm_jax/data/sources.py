@@ -72,6 +72,8 @@ class DocumentSource:
             record = self.records[index]
             text = record if self.text_key is None else record[self.text_key]
             return text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        except MemoryError:
+            raise  # the host, not the shard
         except Exception as e:  # noqa: BLE001 - array_record raises bare RuntimeErrors
             path, record_no = self.shard_of(index) if self.shards else ("?", index)
             raise ShardReadError(
@@ -97,7 +99,9 @@ def count_records(path: str) -> int:
             return int(reader.num_records())
         finally:
             reader.close()
-    except Exception as e:  # noqa: BLE001
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - array_record raises bare RuntimeErrors
         raise ShardReadError(f"cannot open ArrayRecord shard {path}: {type(e).__name__}: {e} "
                              "(a corrupt or truncated shard?)") from e
 
