@@ -19,6 +19,7 @@ Decoding (T = 1) and shapes a kernel cannot take fall back to the shape rule on 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import jax
@@ -33,23 +34,27 @@ AUTO: dict[str, dict[str, str]] = {
 }
 
 
-_TARGET: list[str] = []  # set while tracing for other hardware (ahead-of-time compilation)
+# The platform being traced for, set only inside `compiling_for` (ahead-of-time compilation for
+# other hardware); a context variable, so concurrent threads tracing for different targets
+# do not see each other's.
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_jax_target",
+                                                                     default=None)
 
 
 def backend() -> str:
     """The platform the program being traced will run on: `jax.default_backend()`, or the
     target of an enclosing `compiling_for` (a TPU topology compiled from a CPU host)."""
-    return _TARGET[-1] if _TARGET else jax.default_backend()
+    return _TARGET.get() or jax.default_backend()
 
 
 @contextlib.contextmanager
 def compiling_for(platform: str) -> Iterator[None]:
     """Trace for `platform` ('tpu', 'gpu', 'cpu'): `auto` picks that backend's kernels."""
-    _TARGET.append(platform)
+    token = _TARGET.set(platform)
     try:
         yield
     finally:
-        _TARGET.pop()
+        _TARGET.reset(token)
 
 
 def attention_impl(cfg: ModelConfig, batch: int, q_len: int, kv_len: int,
