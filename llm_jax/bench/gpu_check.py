@@ -1,7 +1,8 @@
 """One-GPU check: the trainer's own step on a ~1B-active MoE in bf16; tokens/s, MFU, kernels.
 
     python -m llm_jax.bench.gpu_check [--batch 8] [--seq_len 2048] [--steps 10] [--quick]
-    bash launch/gpu_check.sh            # the same, with a 10-minute limit
+        [--attention_impl flash] [--moe_dispatch gmm]
+    bash launch/gpu_check.sh            # auto, then the Pallas kernels; 10 minutes in all
 
 Model (`check_config`): 16 layers, hidden 2048, 32 q / 8 kv heads of 64, 16 experts top-4 of
 width 2048, vocab 32,768, sliding window 128 on even layers: about 1.1B active and 3.5B total
@@ -9,6 +10,8 @@ parameters, bf16 weights and activations (about 28 GB of state with Adam: one 80
 MFU = tokens/s x describe.flops_per_token / the chip's dense bf16 peak (PEAK_BF16 by device
 kind, else the measured matmul peak). "kernels" names what the selection table chose and the
 fused kernels (custom calls: Triton, cuDNN, cuBLAS; Pallas on TPU) in the compiled step.
+`--attention_impl` / `--moe_dispatch` override the table (`flash` and `gmm` are the Pallas-Triton
+kernels, opt-in on GPU until a run like this one shows them faster than `auto`).
 `--quick` swaps in the benchmark's tiny model and one step, so it runs on a CPU in seconds.
 """
 
@@ -50,13 +53,15 @@ def peak_flops(quick: bool) -> tuple[float, str]:
     return measure_peak_flops("bfloat16", n=n, repeats=3)["peak"], f"{kind} measured matmul"
 
 
-def run(batch: int, seq_len: int, steps: int, quick: bool) -> dict:
+def run(batch: int, seq_len: int, steps: int, quick: bool, attention_impl: str = "auto",
+        moe_dispatch: str = "auto") -> dict:
     from llm_jax.bench.train import JaxTrainer, quick_model_config, random_batch, tiny_run_config
     from llm_jax.kernels.select import kernels_line
     from llm_jax.model.costs import active_params, flops_per_token, total_params
 
     t0 = time.perf_counter()
     cfg = quick_model_config().replace(dtype="bfloat16") if quick else check_config()
+    cfg = cfg.replace(attention_impl=attention_impl, moe_dispatch=moe_dispatch)
     if quick:
         batch, seq_len, steps = 2, 16, 1
     tc = tiny_run_config().train.copy_and_resolve_references()
@@ -84,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="tiny model, one step (CPU smoke run)")
+    p.add_argument("--attention_impl", default="auto", help="ModelConfig.attention_impl")
+    p.add_argument("--moe_dispatch", default="auto", help="ModelConfig.moe_dispatch")
     a = p.parse_args(argv)
-    r = run(a.batch, a.seq_len, a.steps, a.quick)
+    r = run(a.batch, a.seq_len, a.steps, a.quick, a.attention_impl, a.moe_dispatch)
     print(f"device {r['device']} ({r['backend']}); model {r['active_params'] / 1e9:.2f}B active "
           f"/ {r['total_params'] / 1e9:.2f}B total, bf16; batch {r['batch']} x {r['seq_len']}")
     print(f"step {r['step_s'] * 1e3:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, MFU "

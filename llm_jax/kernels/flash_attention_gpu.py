@@ -18,7 +18,9 @@ cotangent they would need), so gpt-oss training would otherwise fall back to T x
   dk/dv kernel per key block and q head, recomputing p = exp(s - lse); dk, dv of the G q heads
   sharing a kv head are summed afterwards. d(sinks)_n = -sum exp(sink_n - lse) delta, the
   derivative of the sink's term in the normaliser.
-`interpret=True` runs the kernels in Pallas' interpreter (CPU tests).
+`interpret=True` runs the kernels in Pallas' interpreter (CPU tests). The kernels name the Triton
+backend (`TRITON`): Pallas' GPU default is Mosaic GPU, which cannot lower them, so without it
+they would fail on every GPU.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 BLOCK = 64
 _MASKED = -1e30  # finite: m starts at the (finite) sink, so exp(_MASKED - m) = 0, never NaN
-_NEVER = jnp.iinfo(jnp.int32).max
+# Triton, not Pallas' default Mosaic GPU backend; 4 warps and 2 stages for 64 x 64 tiles.
+TRITON = pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def flash_applies(q_len: int, kv_len: int) -> bool:
@@ -178,7 +182,7 @@ def _forward(q, k, v, sinks, qp, kp, qs, ks, window, bq, bk, interpret):
         out_specs=[q_spec, r_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, v.dtype),
                    jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
-        interpret=interpret, name="flash_sinks_fwd",
+        interpret=interpret, name="flash_sinks_fwd", compiler_params=TRITON,
     )(window, sinks[:, None].astype(jnp.float32), q, k, v, qp, kp, qs, ks)
 
 
@@ -195,7 +199,7 @@ def _backward(q, k, v, qp, kp, qs, ks, window, o, lse, do, bq, bk, interpret):
         in_specs=[_WIN, q_spec, k_spec, k_spec, q_spec, r_spec, r_spec, t_spec, s_spec, t_spec,
                   s_spec],
         out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=interpret, name="flash_sinks_dq",
+        interpret=interpret, name="flash_sinks_dq", compiler_params=TRITON,
     )(*args)
     q_spec, k_spec, t_spec, s_spec, r_spec = _specs(b, n, t, s, h, g, bq, bk, False)
     per_head = pl.BlockSpec((None, None, bk, h), lambda b, i, j: (b, i, j, 0))
@@ -206,7 +210,7 @@ def _backward(q, k, v, qp, kp, qs, ks, window, o, lse, do, bq, bk, interpret):
                   s_spec],
         out_specs=[per_head, per_head],
         out_shape=[jax.ShapeDtypeStruct((b, n, s, h), jnp.float32)] * 2,
-        interpret=interpret, name="flash_sinks_dkv",
+        interpret=interpret, name="flash_sinks_dkv", compiler_params=TRITON,
     )(*args)
     dk = dk_n.reshape(b, kh, g, s, h).sum(2).astype(k.dtype)
     dv = dv_n.reshape(b, kh, g, s, h).sum(2).astype(v.dtype)

@@ -11,8 +11,10 @@ XLA:CPU lowers `ragged_dot` densely.
 | gpu     | direct, blockwise for long S (by shape) | ragged             |
 | tpu     | splash (self-attention, T % 128 == 0)   | see AUTO below     |
 
-`flash` (kernels/flash_attention_gpu.py, Pallas with the Triton lowering) is opt-in on GPU until
-it has been run on one (`attention_impl="flash"`); it is tested in interpret mode only.
+On GPU, `flash` (kernels/flash_attention_gpu.py) and `gmm` (kernels/gmm_gpu.py through
+kernels/grouped_moe.py), Pallas with the Triton lowering, are opt-in (`attention_impl="flash"`,
+`moe_dispatch="gmm"`) until they have run on one (launch/gpu_check.sh times them against this
+table); they are tested in interpret mode and lowered for CUDA on CPU hosts.
 Decoding (T = 1) and shapes a kernel cannot take fall back to the shape rule on every backend.
 """
 

@@ -14,7 +14,8 @@ differ in how they lay out the work:
 | blocked         | no    | sorted assignments padded to row blocks, one small matmul per block |
 | capacity        | yes   | C = ceil(factor A / E) slots per expert, batched einsum over slots  |
 | expert_parallel | yes   | `shard_map` + all_to_all over the `expert` mesh axis (moe_parallel) |
-| gmm             | no    | as ragged, with the Pallas TPU megablox grouped matmul (kernels/)   |
+| gmm             | no    | as ragged, with Pallas grouped matmuls: megablox on TPU, gmm_gpu    |
+|                 |       | (Triton) on GPU (kernels/grouped_moe.py)                            |
 
 `auto` (the default) picks a dropless one by shape and backend: `gather` when T k <= E (decoding
 a small batch reads only the chosen experts), else `ragged` on TPU/GPU and `blocked` on CPU,
@@ -193,9 +194,12 @@ def _no_drops(f: Callable[..., jax.Array]) -> DispatchFn:
 
 
 def _gmm(x, r, w, cfg):
-    from llm_jax.kernels.megablox_moe import moe_gmm  # Pallas TPU; interpret mode elsewhere
+    from llm_jax.kernels.grouped_moe import moe_gmm  # Pallas; interpret mode off its platform
 
-    y = moe_gmm(x, r, w, cfg.swiglu_limit, interpret=backend() != "tpu")
+    platform = backend()
+    kernel = "triton" if platform == "gpu" else "megablox"
+    y = moe_gmm(x, r, w, cfg.swiglu_limit, kernel=kernel,
+                interpret=platform != {"triton": "gpu", "megablox": "tpu"}[kernel])
     return y, jnp.zeros((), jnp.float32)
 
 

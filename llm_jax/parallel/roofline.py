@@ -40,6 +40,25 @@ def kernels_in(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+def triton_kernels(stablehlo_text: str) -> dict[str, int]:
+    """Counts of Pallas-Triton kernels in lowered (StableHLO) text, by kernel name."""
+    counts: dict[str, int] = {}
+    for line in stablehlo_text.splitlines():
+        if "@__gpu$xla.gpu.triton" in line:
+            m = re.search(r'\bname = "([^"]+)"', re.sub(r'\bir = "[^"]*"', "", line))
+            name = m.group(1) if m else "triton"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def triton_kernels_for_cuda(fn: Any, *args: Any) -> dict[str, int]:
+    """The Triton kernels `fn(*args)` runs on an NVIDIA GPU, found on any host: Pallas emits the
+    Triton IR itself when lowering for CUDA; only compiling it to PTX needs the device."""
+    import jax
+
+    return triton_kernels(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+
+
 def kernel_families(counts: dict[str, int]) -> list[str]:
     """['splash_attention', 'megablox_gmm', ...] present in `kernels_in`'s counts."""
     found = []

@@ -1,5 +1,5 @@
 """The GPU flash-attention kernel (Pallas, interpret mode on CPU) against the direct path:
-outputs and gradients of q, k, v and sinks within 1e-5 in float32."""
+outputs and gradients of q, k, v and sinks within 1e-5 in float32; and lowered for CUDA."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ import pytest
 
 from llm_jax.kernels.flash_attention_gpu import flash_attend
 from llm_jax.model.attention import attend, attention_mask
+from llm_jax.parallel.roofline import triton_kernels_for_cuda
 
 TOL = 1e-5
 
@@ -46,3 +47,19 @@ def test_matches_direct_path(b, t, n, k, window, segs, offset):
     for name, a, g in zip(("out", "dq", "dk", "dv", "dsinks"), want, got):
         err = float(jnp.max(jnp.abs(a - g)))
         assert err < TOL, (name, err)
+
+
+def test_lowers_to_triton_for_cuda():
+    """Forward and backward lower through Pallas' Triton backend (its GPU default, Mosaic GPU,
+    rejects these kernels), in the bf16 a GPU trains in: one fwd, one dq and one dkv kernel."""
+    b, t, n, k, h = 1, 128, 4, 2, 64
+    sds = jax.ShapeDtypeStruct
+    args = (sds((b, t, n, h), jnp.bfloat16), sds((b, t, k, h), jnp.bfloat16),
+            sds((b, t, k, h), jnp.bfloat16), sds((n,), jnp.float32), sds((b, t), jnp.int32))
+
+    def loss(q, kk, v, sinks, pos):
+        return flash_attend(q, kk, v, sinks, pos, pos, 128).astype(jnp.float32).sum()
+
+    assert triton_kernels_for_cuda(loss, *args) == {"flash_sinks_fwd": 1}
+    assert triton_kernels_for_cuda(jax.grad(loss, (0, 1, 2, 3)), *args) == {
+        "flash_sinks_fwd": 1, "flash_sinks_dq": 1, "flash_sinks_dkv": 1}

@@ -1,14 +1,15 @@
-"""The dropless ragged MoE dispatch through JAX's Pallas TPU grouped matmul (megablox `gmm`).
+"""The dropless ragged MoE dispatch through a grouped-matmul kernel: megablox `gmm` on TPU, the
+Pallas-Triton `gmm_gpu` on GPU.
 
 Shapes: T tokens, D hidden, E experts, k experts per token, A = T k assignments, M = A rounded up
 to the row tile, F2 = 2F gate-up width (local F2 under tensor sharding).
 
 The same function as `moe_dispatch.moe_ragged`: assignments sorted by expert, a grouped matmul
-for gate-up and one for down, each expert's rows a contiguous group. `gmm` carries a custom VJP
-(d lhs by `gmm` with the rhs transposed, d rhs by `tgmm`), so training runs kernels both ways.
-Its rows must fill whole tiles: the A sorted rows are followed by M - A zero rows counted into the
-last expert's group, whose outputs are dropped (zero rows, zero cotangents: no effect on values
-or gradients).
+for gate-up and one for down, each expert's rows a contiguous group. Both kernels carry a custom
+VJP (d lhs by the kernel against the rhs transposed, d rhs by a transposed grouped matmul), so
+training runs kernels both ways. Rows fill whole tiles: the A sorted rows are followed by M - A
+zero rows counted into the last expert's group, whose outputs are dropped (zero rows, zero
+cotangents: no effect on values or gradients).
 
 A Pallas call is opaque to XLA's sharding propagation, so under a mesh the layer runs in
 `jax.shard_map`: tokens split over the batch axes, expert weights split over the `mlp` axes
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+from llm_jax.kernels import gmm_gpu
 from llm_jax.model.moe_dispatch import ExpertWeights, Routing, _combine, swiglu
 from llm_jax.parallel.sharding import RULES, logical_to_spec, spec_axes
 
@@ -42,28 +44,30 @@ def tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     return tm, lanes(k), lanes(n)
 
 
-def _grouped(x_MK, w_EKN, sizes_E, interpret: bool) -> jax.Array:
+def _grouped(x_MK, w_EKN, sizes_E, interpret: bool, kernel: str = "megablox") -> jax.Array:
+    if kernel == "triton":
+        return gmm_gpu.gmm(x_MK, w_EKN, sizes_E, interpret=interpret)
     m, k = x_MK.shape
     tile = tiling(m, k, w_EKN.shape[2])
     return gmm(x_MK, w_EKN, sizes_E, x_MK.dtype, tile, None, None, False, interpret)
 
 
 def _local(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, interpret: bool,
-           mlp_axes: tuple[str, ...]):
+           kernel: str, mlp_axes: tuple[str, ...]):
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     e = w1.shape[0]
     a = t * k
-    tm = tiling(a, d, w1.shape[2])[0]
+    tm = gmm_gpu.ROW_TILE if kernel == "triton" else tiling(a, d, w1.shape[2])[0]
     m = -(-a // tm) * tm
     experts_A = experts_Tk.reshape(-1)
     order_A = jnp.argsort(experts_A, stable=True)
     sorted_experts_A = experts_A[order_A]
     sizes_E = jnp.bincount(experts_A, length=e).astype(jnp.int32).at[e - 1].add(m - a)
     x_MD = jnp.pad(x_TD[order_A // k], ((0, m - a), (0, 0)))
-    h_AF2 = _grouped(x_MD, w1, sizes_E, interpret)[:a] + b1[sorted_experts_A]
+    h_AF2 = _grouped(x_MD, w1, sizes_E, interpret, kernel)[:a] + b1[sorted_experts_A]
     act_MF = jnp.pad(swiglu(h_AF2, limit), ((0, m - a), (0, 0)))
-    y_AD = _grouped(act_MF, w2, sizes_E, interpret)[:a]
+    y_AD = _grouped(act_MF, w2, sizes_E, interpret, kernel)[:a]
     if mlp_axes:
         y_AD = jax.lax.psum(y_AD, mlp_axes)
     y_AD = y_AD + b2[sorted_experts_A]
@@ -76,19 +80,26 @@ def _axes(mesh, name: str) -> tuple[str, ...]:
     return tuple(a for e in spec for a in spec_axes(e) if mesh.shape[a] > 1)
 
 
+KERNELS = ("megablox", "triton")
+
+
 def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *,
-            interpret: bool = False) -> jax.Array:
-    """`moe_ragged` with megablox grouped matmuls; on the mesh in context (see module doc)."""
+            kernel: str = "megablox", interpret: bool = False) -> jax.Array:
+    """`moe_ragged` with grouped-matmul kernels (`kernel`: "megablox" for TPU, "triton" for
+    GPU); on the mesh in context (see module doc)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"moe_gmm: kernel={kernel!r}, expected one of {KERNELS}")
     args = (x_TD, routing.experts_Tk, routing.weights_Tk, w.gate_up_EDF2, w.gate_up_bias_EF2,
             w.down_EFD, w.down_bias_ED)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return _local(*args, limit=limit, interpret=interpret, mlp_axes=())
+        return _local(*args, limit=limit, interpret=interpret, kernel=kernel, mlp_axes=())
     batch, mlp = _axes(mesh, "batch"), _axes(mesh, "mlp")
     if x_TD.shape[0] % math.prod(mesh.shape[a] for a in batch):
         batch = ()
     bs, ms = batch or None, mlp or None
-    fn = functools.partial(_local, limit=limit, interpret=interpret, mlp_axes=mlp)
+    fn = functools.partial(_local, limit=limit, interpret=interpret, kernel=kernel,
+                           mlp_axes=mlp)
     return jax.shard_map(
         fn, mesh=mesh,
         in_specs=(P(bs), P(bs), P(bs), P(None, None, ms), P(None, ms), P(None, ms, None), P()),
