@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 # model/moe_dispatch.py's table; "auto" picks a dropless one by shape and backend.
 MOE_DISPATCHES = ("auto", "dense", "ragged", "gather", "blocked", "gmm", "capacity",
-                  "expert_parallel")
+                  "expert_parallel", "expert_parallel_gmm")
 # kernels/select.py's table; "auto" picks by backend and shape.
 ATTENTION_IMPLS = ("auto", "direct", "blockwise", "splash", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -66,7 +66,7 @@ class ModelConfig:
     # Implementation choices.
     dtype: str = "float32"  # compute dtype of matmuls and activations
     param_dtype: str = "float32"  # storage dtype of weights (norm scales always float32)
-    # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel) apply only to
+    # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel*) apply only to
     # training calls (`train=True`); every other call computes the exact function.
     moe_dispatch: str = "auto"
     # One of ATTENTION_IMPLS: how self-attention is computed (the same function; splash is a

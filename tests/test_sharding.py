@@ -233,13 +233,19 @@ def case_expert_parallel() -> dict:
 
     ref = jax.jit(loss(lambda x, r, w: (moe_dense(x, r, w, 7.0), 0.0)))(x, p)
     out = {}
-    for sizes in ({"expert": 8}, {"data": 2, "tensor": 2, "expert": 2}, {"fsdp": 2, "expert": 4}):
+    # The local experts by lax.ragged_dot on three meshes, and by each Pallas kernel (interpret
+    # mode) on one with every axis in play.
+    runs = [(m, None) for m in ({"expert": 8}, {"data": 2, "tensor": 2, "expert": 2},
+                                {"fsdp": 2, "expert": 4})]
+    runs += [({"data": 2, "tensor": 2, "expert": 2}, kn) for kn in ("megablox", "triton")]
+    for sizes, kernel in runs:
         mesh = sh.make_mesh(sizes)
-        fn = loss(lambda x, r, w: moe_expert_parallel(x, r, w, 7.0, 8.0))
+        fn = loss(lambda x, r, w, kernel=kernel: moe_expert_parallel(
+            x, r, w, 7.0, 8.0, kernel=kernel, interpret=True))
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         (_, (y, drop)), grads = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
         (_, (y_ref, _)), g_ref = ref
-        out[str(sizes)] = {
+        out[f"{sizes} {kernel or 'ragged_dot'}"] = {
             "output": float(jnp.max(jnp.abs(y - y_ref)) / (1 + jnp.max(jnp.abs(y_ref)))),
             "grads": max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
                          for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref))),

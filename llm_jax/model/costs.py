@@ -60,8 +60,9 @@ FIELD_DOCS: dict[str, str] = {
     "param_dtype": "storage dtype of weights (norms, sinks, router stay float32): sets params "
                    "and grads bytes",
     "moe_dispatch": "how tokens reach experts: auto (dropless, by backend), dense (all E, E/k x "
-                    "the expert FLOPs), ragged / blocked / gather (dropless), capacity / "
-                    "expert_parallel (fixed slots; drop overflow in training only)",
+                    "the expert FLOPs), ragged / blocked / gather / gmm (dropless; gmm by "
+                    "Pallas kernels), capacity / expert_parallel / expert_parallel_gmm (fixed "
+                    "slots; drop overflow in training only)",
     "attention_impl": "how self-attention runs: auto (kernels/select.py's table: splash on TPU, "
                       "direct / blockwise by shape elsewhere), direct, blockwise, splash, flash "
                       "(GPU Pallas kernel, opt-in)",
@@ -225,11 +226,11 @@ def decode_flops_per_token(cfg: ModelConfig, context_len: int) -> float:
 
 def expert_slots_per_token(cfg: ModelConfig, num_tokens: int) -> float:
     """Expert computations a training step's dispatch runs per token: E (dense), E x C / T
-    (capacity, expert_parallel: every slot is computed, filled or not; ~factor x k), else k
+    (capacity, expert_parallel*: every slot is computed, filled or not; ~factor x k), else k
     (the dropless sparse dispatches)."""
     if cfg.moe_dispatch == "dense":
         return cfg.num_experts
-    if cfg.moe_dispatch in ("capacity", "expert_parallel"):
+    if cfg.moe_dispatch in ("capacity", "expert_parallel", "expert_parallel_gmm"):
         return cfg.num_experts * capacity(num_tokens, cfg) / num_tokens
     return cfg.experts_per_token
 

@@ -6,16 +6,17 @@ F intermediate, C capacity slots per expert, A = T k token-expert assignments, G
 All dispatches compute the same function, `y_t = sum_{e in top_k(t)} w_te * expert_e(x_t)`, and
 differ in how they lay out the work:
 
-| name            | drops | what it runs                                                        |
-|-----------------|-------|---------------------------------------------------------------------|
-| dense           | no    | every expert on every token, masked combine: the reference          |
-| ragged          | no    | assignments sorted by expert, `lax.ragged_dot` grouped matmuls      |
-| gather          | no    | each token multiplies by its own k experts' gathered weights        |
-| blocked         | no    | sorted assignments padded to row blocks, one small matmul per block |
-| capacity        | yes   | C = ceil(factor A / E) slots per expert, batched einsum over slots  |
-| expert_parallel | yes   | `shard_map` + all_to_all over the `expert` mesh axis (moe_parallel) |
-| gmm             | no    | as ragged, with Pallas grouped matmuls: megablox on TPU, gmm_gpu    |
-|                 |       | (Triton) on GPU (kernels/grouped_moe.py)                            |
+| name                | drops | what it runs                                                        |
+|---------------------|-------|---------------------------------------------------------------------|
+| dense               | no    | every expert on every token, masked combine: the reference          |
+| ragged              | no    | assignments sorted by expert, `lax.ragged_dot` grouped matmuls      |
+| gather              | no    | each token multiplies by its own k experts' gathered weights        |
+| blocked             | no    | sorted assignments padded to row blocks, one small matmul per block |
+| capacity            | yes   | C = ceil(factor A / E) slots per expert, batched einsum over slots  |
+| expert_parallel     | yes   | `shard_map` + all_to_all over the `expert` mesh axis (moe_parallel) |
+| gmm                 | no    | as ragged, with Pallas grouped matmuls: megablox on TPU, gmm_gpu    |
+|                     |       | (Triton) on GPU (kernels/grouped_moe.py)                            |
+| expert_parallel_gmm | yes   | expert_parallel with those kernels for each device's experts        |
 
 `auto` (the default) picks a dropless one by shape and backend: `gather` when T k <= E (decoding
 a small batch reads only the chosen experts), else `ragged` on TPU/GPU and `blocked` on CPU,
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -193,14 +194,19 @@ def _no_drops(f: Callable[..., jax.Array]) -> DispatchFn:
     return lambda x, r, w, cfg: (f(x, r, w, cfg.swiglu_limit), jnp.zeros((), jnp.float32))
 
 
-def _gmm(x, r, w, cfg):
-    from llm_jax.kernels.grouped_moe import moe_gmm  # Pallas; interpret mode off its platform
-
+def _gmm_kernel() -> dict[str, Any]:
+    """The grouped-matmul kernel for the target backend: Triton on GPU, else megablox (on CPU in
+    interpret mode, as the tests run it)."""
     platform = backend()
-    kernel = "triton" if platform == "gpu" else "megablox"
-    y = moe_gmm(x, r, w, cfg.swiglu_limit, kernel=kernel,
-                interpret=platform != {"triton": "gpu", "megablox": "tpu"}[kernel])
-    return y, jnp.zeros((), jnp.float32)
+    if platform == "gpu":
+        return {"kernel": "triton", "interpret": False}
+    return {"kernel": "megablox", "interpret": platform != "tpu"}
+
+
+def _gmm(x, r, w, cfg):
+    from llm_jax.kernels.grouped_moe import moe_gmm  # Pallas: imported on demand
+
+    return moe_gmm(x, r, w, cfg.swiglu_limit, **_gmm_kernel()), jnp.zeros((), jnp.float32)
 
 
 def _capacity(x, r, w, cfg):
@@ -220,6 +226,17 @@ def _expert_parallel_exact(x, r, w, cfg):
     return moe_expert_parallel(x, r, w, cfg.swiglu_limit, float(cfg.num_experts))
 
 
+def _expert_parallel_gmm(x, r, w, cfg, factor: float | None = None):
+    from llm_jax.model.moe_parallel import moe_expert_parallel
+
+    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, factor or cfg.moe_capacity_factor,
+                               **_gmm_kernel())
+
+
+def _expert_parallel_gmm_exact(x, r, w, cfg):
+    return _expert_parallel_gmm(x, r, w, cfg, float(cfg.num_experts))
+
+
 DISPATCHES: dict[str, Dispatch] = {
     "dense": Dispatch(_no_drops(moe_dense), drops=False),
     "ragged": Dispatch(_no_drops(moe_ragged), drops=False),
@@ -228,9 +245,11 @@ DISPATCHES: dict[str, Dispatch] = {
     "gmm": Dispatch(_gmm, drops=False),
     "capacity": Dispatch(_capacity, drops=True),
     "expert_parallel": Dispatch(_expert_parallel, drops=True),
+    "expert_parallel_gmm": Dispatch(_expert_parallel_gmm, drops=True),
 }
 # What a dropping dispatch becomes outside training.
-EXACT_FALLBACK: dict[str, DispatchFn] = {"expert_parallel": _expert_parallel_exact}
+EXACT_FALLBACK: dict[str, DispatchFn] = {"expert_parallel": _expert_parallel_exact,
+                                          "expert_parallel_gmm": _expert_parallel_gmm_exact}
 # The dropless choice of `auto` for many tokens, by backend: kernels/select.py's table.
 AUTO_BY_BACKEND = {b: impls["moe"] for b, impls in AUTO.items()}
 

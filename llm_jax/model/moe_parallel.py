@@ -12,9 +12,10 @@ entry, as FSDP does. On every device:
 2. pack them into a [n, C] send buffer (slot = rank among the assignments to that device);
 3. `all_to_all` over `expert`: device j receives the rows meant for its experts from every
    source;
-4. sort the received rows by local expert, grouped matmul (`jax.lax.ragged_dot`), clamped
-   SwiGLU, grouped matmul; with tensor > 1 each device holds a slice of F and the partial
-   outputs are summed (`psum` over `tensor`);
+4. sort the received rows by local expert, grouped matmul (`jax.lax.ragged_dot`, or with
+   `kernel` a Pallas kernel of kernels/grouped_moe.py: the `expert_parallel_gmm` dispatch),
+   clamped SwiGLU, grouped matmul; with tensor > 1 each device holds a slice of F and the
+   partial outputs are summed (`psum` over `tensor`);
 5. reverse `all_to_all`; each row returns to its source's slot; combine with the router weights.
 
 Formulation: capacity per device pair, C = min(A, ceil(moe_capacity_factor * A / n)). With
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ from llm_jax.model.moe_dispatch import ExpertWeights, Routing, swiglu
 from llm_jax.parallel.sharding import RULES, logical_to_spec, spec_axes
 
 P = jax.sharding.PartitionSpec
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # ragged_dot's signature
 
 
 def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -> int:
@@ -50,7 +53,7 @@ def _mesh_axes(mesh, names, rules) -> tuple[str, ...]:
 
 def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, limit: float,
                factor: float, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...],
-               batch_axes: tuple[str, ...], n: int):
+               batch_axes: tuple[str, ...], n: int, grouped: GroupedMatmul):
     """One device's share: steps 1-5 of the module doc. Returns (y [T, D], dropped count)."""
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
@@ -83,8 +86,8 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
     sizes = jnp.bincount(e_R, length=el + 1).astype(jnp.int32)
     sizes = sizes[:el].at[el - 1].add(sizes[el])
     ge = jnp.minimum(e_R, el - 1)
-    h = jax.lax.ragged_dot(x_recv[order_R], w1_EDF, sizes) + b1_EF[ge]
-    y = jax.lax.ragged_dot(swiglu(h, limit), w2_EFD, sizes)
+    h = grouped(x_recv[order_R], w1_EDF, sizes) + b1_EF[ge]
+    y = grouped(swiglu(h, limit), w2_EFD, sizes)
     if mlp_axes:  # each device computed its slice of F: sum the partial outputs
         y = jax.lax.psum(y, mlp_axes)
     y = jnp.where((e_R < el)[:, None], y + b2_ED[ge], 0.0)
@@ -102,11 +105,19 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
 
 
 def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float,
-                        capacity_factor: float, rules=RULES) -> tuple[jax.Array, jax.Array]:
-    """Returns (output [T, D], fraction of assignments dropped), on the mesh in context."""
+                        capacity_factor: float, rules=RULES, *, kernel: str | None = None,
+                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Returns (output [T, D], fraction of assignments dropped), on the mesh in context.
+    `kernel` ("megablox", "triton"): the local grouped matmuls by that Pallas kernel instead of
+    `lax.ragged_dot`."""
     mesh = jax.sharding.get_abstract_mesh()
     t, k = routing.experts_Tk.shape
-    kwargs = dict(limit=limit, factor=capacity_factor)
+    grouped: GroupedMatmul = jax.lax.ragged_dot
+    if kernel is not None:
+        from llm_jax.kernels.grouped_moe import grouped_matmul  # Pallas: imported on demand
+
+        grouped = functools.partial(grouped_matmul, kernel=kernel, interpret=interpret)
+    kwargs = dict(limit=limit, factor=capacity_factor, grouped=grouped)
     if mesh.empty:
         y, dropped = _local_moe(x_TD, routing.experts_Tk, routing.weights_Tk, *w, expert_axes=(),
                                 mlp_axes=(), batch_axes=(), n=1, **kwargs)
@@ -138,6 +149,7 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
     y, dropped = jax.shard_map(
         fn, mesh=mesh,
         in_specs=(tok, tok_k, tok_k, P(ea, None, ma), P(ea, ma), P(ea, ma, None), P(ea, None)),
-        out_specs=(tok, P()), check_vma=True,
+        # A Pallas call's outputs carry no varying-axes type, so with a kernel the check is off.
+        out_specs=(tok, P()), check_vma=kernel is None,
     )(x_TD, routing.experts_Tk, routing.weights_Tk, *w)
     return y, dropped / (t * k)

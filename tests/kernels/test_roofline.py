@@ -38,7 +38,7 @@ def test_splash_and_gmm_compile_for_tpu_under_a_mesh():
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
-    from llm_jax.kernels.grouped_moe import _grouped
+    from llm_jax.kernels.grouped_moe import grouped_matmul
     from llm_jax.kernels.splash_attention import splash_attend
     from llm_jax.parallel.sharding import make_mesh
 
@@ -64,5 +64,6 @@ def test_splash_and_gmm_compile_for_tpu_under_a_mesh():
     x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=one)
     wt = jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16, sharding=one)
     g = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=one)
-    text = jax.jit(lambda x, w, g: _grouped(x, w, g, False)).lower(x, wt, g).compile().as_text()
+    text = jax.jit(lambda x, w, g: grouped_matmul(x, w, g, kernel="megablox")).lower(
+        x, wt, g).compile().as_text()
     assert kernels_in(text) == {"gmm": 1}
