@@ -19,8 +19,8 @@ differ in how they lay out the work:
 | expert_parallel_gmm | yes   | expert_parallel with those kernels for each device's experts        |
 
 `auto` (the default) picks a dropless one by shape and backend: `gather` when T k <= E (decoding
-a small batch reads only the chosen experts), else `ragged` on TPU/GPU and `blocked` on CPU,
-where XLA lowers `ragged_dot` as dense work. The dropping dispatches are a training-speed opt-in:
+a small batch reads only the chosen experts), else `gmm` on TPU (kernels/select.py says why),
+`ragged` on GPU and `blocked` on CPU, where XLA lowers `ragged_dot` as dense work. The dropping dispatches are a training-speed opt-in:
 they apply only when the model is called with `train=True`, so evaluation, prefill and decode
 always compute the exact function (expert_parallel runs with enough slots to drop nothing).
 """

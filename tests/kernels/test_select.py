@@ -23,7 +23,7 @@ def test_tpu_picks_splash_where_it_applies():
     assert attention_impl(CFG, 8, 256, 256, "tpu") == "splash"
     assert attention_impl(CFG, 8, 100, 100, "tpu") == "direct"  # not a multiple of 128
     assert attention_impl(CFG, 8, 1, 256, "tpu") == "direct"  # decoding
-    assert kernels_line(CFG, 8, 256, "tpu") == "attention=splash moe=ragged (tpu)"
+    assert kernels_line(CFG, 8, 256, "tpu") == "attention=splash moe=gmm (tpu)"
 
 
 def test_config_overrides_the_table():
@@ -37,7 +37,7 @@ def test_compiling_for_sets_the_target_backend():
     host = backend()
     with compiling_for("tpu"):
         assert backend() == "tpu"
-        assert auto_dispatch(CFG, 1000) == "ragged"
+        assert auto_dispatch(CFG, 1000) == "gmm"
     assert backend() == host
 
 
