@@ -26,6 +26,6 @@ def get_config() -> ml_collections.ConfigDict:
         swiglu_limit=7.0,
         dtype="bfloat16",
         param_dtype="bfloat16",
-        moe_dispatch="auto",  # dropless: ragged_dot on TPU/GPU
+        moe_dispatch="auto",  # dropless: the megablox gmm kernel on TPU, ragged_dot on GPU
     )
     return default_run_config("gpt_oss_20b", model)
