@@ -13,9 +13,9 @@ The custom VJP runs kernels both ways (as megablox's `gmm` / `tgmm`):
 - d rhs[g] = lhs[rows of g]^T @ d out[rows of g]: one program per (g, K tile, N tile) loops over
   the row tiles of group g only.
 Tiles are powers of two (Triton's rule): 64 rows (M zero-padded), and for K and N the largest
-of 64 / 32 / 16 that divides them (else zero-padded, which copies the weights). The kernels name the Triton backend (`TRITON`), since Pallas' GPU
-default, Mosaic GPU, does not take them. `interpret=True` runs them in Pallas' interpreter (CPU
-tests).
+of 64 / 32 / 16 that divides them (else zero-padded, which copies the weights). The kernels name
+the Triton backend (`TRITON`), since Pallas' GPU default, Mosaic GPU, does not take them.
+`interpret=True` runs them in Pallas' interpreter (CPU tests).
 """
 
 from __future__ import annotations

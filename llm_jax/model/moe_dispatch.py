@@ -6,23 +6,24 @@ F intermediate, C capacity slots per expert, A = T k token-expert assignments, G
 All dispatches compute the same function, `y_t = sum_{e in top_k(t)} w_te * expert_e(x_t)`, and
 differ in how they lay out the work:
 
-| name                | drops | what it runs                                                        |
-|---------------------|-------|---------------------------------------------------------------------|
-| dense               | no    | every expert on every token, masked combine: the reference          |
-| ragged              | no    | assignments sorted by expert, `lax.ragged_dot` grouped matmuls      |
-| gather              | no    | each token multiplies by its own k experts' gathered weights        |
-| blocked             | no    | sorted assignments padded to row blocks, one small matmul per block |
-| capacity            | yes   | C = ceil(factor A / E) slots per expert, batched einsum over slots  |
-| expert_parallel     | yes   | `shard_map` + all_to_all over the `expert` mesh axis (moe_parallel) |
-| gmm                 | no    | as ragged, with Pallas grouped matmuls: megablox on TPU, gmm_gpu    |
-|                     |       | (Triton) on GPU (kernels/grouped_moe.py)                            |
-| expert_parallel_gmm | yes   | expert_parallel with those kernels for each device's experts        |
+| name                | drop | what it runs                                                        |
+|---------------------|------|---------------------------------------------------------------------|
+| dense               | no   | every expert on every token, masked combine: the reference          |
+| ragged              | no   | assignments sorted by expert, `lax.ragged_dot` grouped matmuls      |
+| gather              | no   | each token multiplies by its own k experts' gathered weights        |
+| blocked             | no   | sorted assignments padded to row blocks, one small matmul per block |
+| capacity            | yes  | C = ceil(factor A / E) slots per expert, batched einsum over slots  |
+| expert_parallel     | yes  | `shard_map` + all_to_all over the `expert` mesh axis (moe_parallel) |
+| gmm                 | no   | as ragged, with Pallas grouped matmuls: megablox on TPU, gmm_gpu    |
+|                     |      | (Triton) on GPU (kernels/grouped_moe.py)                            |
+| expert_parallel_gmm | yes  | expert_parallel with those kernels for each device's experts        |
 
 `auto` (the default) picks a dropless one by shape and backend: `gather` when T k <= E (decoding
 a small batch reads only the chosen experts), else `gmm` on TPU (kernels/select.py says why),
-`ragged` on GPU and `blocked` on CPU, where XLA lowers `ragged_dot` as dense work. The dropping dispatches are a training-speed opt-in:
-they apply only when the model is called with `train=True`, so evaluation, prefill and decode
-always compute the exact function (expert_parallel runs with enough slots to drop nothing).
+`ragged` on GPU and `blocked` on CPU, where XLA lowers `ragged_dot` as dense work. The dropping
+dispatches are a training-speed opt-in: they apply only when the model is called with
+`train=True`, so evaluation, prefill and decode always compute the exact function
+(expert_parallel runs with enough slots to drop nothing).
 """
 
 from __future__ import annotations
