@@ -26,6 +26,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.model.blockwise_attention import blockwise_attend, use_blockwise
 from llm_jax.model.kv_cache import LayerCache, append, fill, ring_positions
 from llm_jax.model.lora import adapted
+from llm_jax.model.matmul import einsum
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
 from llm_jax.parallel.sharding import constrain
@@ -66,7 +67,7 @@ def attend(
     k_heads = k_BSKH.shape[2]
     g = n // k_heads
     q_BTKGH = q_BTNH.reshape(b, t, k_heads, g, h)
-    scores_BKGTS = jnp.einsum(
+    scores_BKGTS = einsum(
         "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
     ) * (h ** -0.5)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, _MASKED)
@@ -79,8 +80,8 @@ def attend(
     # (B, K) batches of a (G T, S) x (S, H) matmul, the layout XLA:CPU's fast kernels take;
     # asking for BTKGH directly made it contract V over a non-minor axis in a slow generic dot
     # (3.7x slower for a decode step's [8, 2, 2, 1, 384] x [8, 2, 384, 64]).
-    out_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", probs.astype(v_BSKH.dtype),
-                           jnp.swapaxes(v_BSKH, 1, 2))
+    out_BKGTH = einsum("BKGTS,BKSH->BKGTH", probs.astype(v_BSKH.dtype),
+                       jnp.swapaxes(v_BSKH, 1, 2))
     return jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
 
@@ -106,9 +107,9 @@ class Attention(nnx.Module):
         """Projected q [B,T,N,H] and k, v [B,T,K,H], RoPE applied to q and k."""
         cdt = self.cfg.compute_dtype
         x = x_BTD.astype(cdt)
-        q = jnp.einsum("BTD,DNH->BTNH", x, adapted(self, "q_proj", cdt)) + self.q_bias[...].astype(cdt)
-        k = jnp.einsum("BTD,DKH->BTKH", x, adapted(self, "k_proj", cdt)) + self.k_bias[...].astype(cdt)
-        v = jnp.einsum("BTD,DKH->BTKH", x, adapted(self, "v_proj", cdt)) + self.v_bias[...].astype(cdt)
+        q = einsum("BTD,DNH->BTNH", x, adapted(self, "q_proj", cdt), self.q_bias[...])
+        k = einsum("BTD,DKH->BTKH", x, adapted(self, "k_proj", cdt), self.k_bias[...])
+        v = einsum("BTD,DKH->BTKH", x, adapted(self, "v_proj", cdt), self.v_bias[...])
         cos, sin = rope_cos_sin(positions_BT, self.cfg)
         q_axes, kv_axes = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads",
                                                                        "head_dim")
@@ -117,8 +118,7 @@ class Attention(nnx.Module):
 
     def out(self, o_BTNH: jax.Array) -> jax.Array:
         cdt = self.cfg.compute_dtype
-        return jnp.einsum("BTNH,NHD->BTD", o_BTNH, adapted(self, "o_proj", cdt)) \
-            + self.o_bias[...].astype(cdt)
+        return einsum("BTNH,NHD->BTD", o_BTNH, adapted(self, "o_proj", cdt), self.o_bias[...])
 
     def __call__(
         self,

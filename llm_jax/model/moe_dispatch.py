@@ -28,6 +28,7 @@ dispatches are a training-speed opt-in: they apply only when the model is called
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 
 from llm_jax.config import SWIGLU_ALPHA, ModelConfig
 from llm_jax.kernels.select import AUTO, backend
+from llm_jax.model.matmul import einsum
 from llm_jax.parallel.sharding import constrain
 
 
@@ -55,26 +57,53 @@ class ExpertWeights(NamedTuple):
     down_bias_ED: jax.Array
 
 
-def swiglu(h: jax.Array, limit: float) -> jax.Array:
-    """gpt-oss clamped SwiGLU on interleaved [..., 2F] pre-activations -> [..., F]."""
-    glu, lin = h[..., 0::2], h[..., 1::2]
-    glu = jnp.minimum(glu, limit)
-    lin = jnp.clip(lin, -limit, limit)
+def _swiglu_f32(hf: jax.Array, limit: float) -> jax.Array:
+    glu = jnp.minimum(hf[..., 0::2], limit)
+    lin = jnp.clip(hf[..., 1::2], -limit, limit)
     return glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def swiglu(h: jax.Array, limit: float) -> jax.Array:
+    """gpt-oss clamped SwiGLU on interleaved [..., 2F] pre-activations -> [..., F] in h's dtype:
+    `glu * sigmoid(1.702 glu) * (lin + 1)`, glu = min(h[0::2], limit), lin = clip(h[1::2]).
+
+    Computed in float32, as the norms and RoPE are (one rounding for bfloat16). The gradient is
+    written out: JAX's own scatters the two strided halves back with two pads and an add, which
+    XLA:CPU runs 6x slower than this one interleaving stack (docs/benchmarks.md). The clamps
+    pass the gradient where the input is within them, bounds included, as torch's clamp does."""
+    return _swiglu_f32(h.astype(jnp.float32), limit).astype(h.dtype)
+
+
+def _swiglu_fwd(h, limit):
+    return swiglu(h, limit), h
+
+
+def _swiglu_bwd(limit, h, g):
+    hf, g = h.astype(jnp.float32), g.astype(jnp.float32)
+    glu_in, lin_in = hf[..., 0::2], hf[..., 1::2]
+    glu, lin = jnp.minimum(glu_in, limit), jnp.clip(lin_in, -limit, limit)
+    sig = jax.nn.sigmoid(SWIGLU_ALPHA * glu)
+    dglu = g * (lin + 1.0) * sig * (1.0 + SWIGLU_ALPHA * glu * (1.0 - sig)) * (glu_in <= limit)
+    dlin = g * glu * sig * (jnp.abs(lin_in) <= limit)
+    return (jnp.stack([dglu, dlin], axis=-1).reshape(h.shape).astype(h.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def _combine(y_TkD: jax.Array, routing: Routing) -> jax.Array:
-    return jnp.einsum("TkD,Tk->TD", y_TkD, routing.weights_Tk.astype(y_TkD.dtype))
+    return einsum("TkD,Tk->TD", y_TkD, routing.weights_Tk.astype(y_TkD.dtype))
 
 
 def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
     t = x_TD.shape[0]
     e = w.gate_up_EDF2.shape[0]
-    h = jnp.einsum("TD,EDF->TEF", x_TD, w.gate_up_EDF2) + w.gate_up_bias_EF2
-    y_TED = jnp.einsum("TEF,EFD->TED", swiglu(h, limit), w.down_EFD) + w.down_bias_ED
+    h = einsum("TD,EDF->TEF", x_TD, w.gate_up_EDF2, w.gate_up_bias_EF2)
+    y_TED = einsum("TEF,EFD->TED", swiglu(h, limit), w.down_EFD, w.down_bias_ED)
     combine_TE = jnp.zeros((t, e), jnp.float32).at[
         jnp.arange(t)[:, None], routing.experts_Tk].add(routing.weights_Tk)
-    return jnp.einsum("TED,TE->TD", y_TED, combine_TE.astype(y_TED.dtype))
+    return einsum("TED,TE->TD", y_TED, combine_TE.astype(y_TED.dtype))
 
 
 def moe_ragged(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
@@ -104,8 +133,8 @@ def moe_gather(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float
     k = routing.experts_Tk.shape[1]
     e_A = routing.experts_Tk.reshape(-1)  # (token, choice) order
     x_AD = jnp.repeat(x_TD, k, axis=0)
-    h = jnp.einsum("AD,ADF->AF", x_AD, w.gate_up_EDF2[e_A]) + w.gate_up_bias_EF2[e_A]
-    y = jnp.einsum("AF,AFD->AD", swiglu(h, limit), w.down_EFD[e_A]) + w.down_bias_ED[e_A]
+    h = einsum("AD,ADF->AF", x_AD, w.gate_up_EDF2[e_A], w.gate_up_bias_EF2[e_A])
+    y = einsum("AF,AFD->AD", swiglu(h, limit), w.down_EFD[e_A], w.down_bias_ED[e_A])
     return _combine(y.reshape(t, k, d), routing)
 
 
@@ -140,8 +169,8 @@ def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: floa
 
     def one_block(args):
         x_bD, ex = args
-        h = x_bD @ w.gate_up_EDF2[ex] + w.gate_up_bias_EF2[ex]
-        return swiglu(h, limit) @ w.down_EFD[ex] + w.down_bias_ED[ex]
+        h = einsum("bD,DF->bF", x_bD, w.gate_up_EDF2[ex], w.gate_up_bias_EF2[ex])
+        return einsum("bF,FD->bD", swiglu(h, limit), w.down_EFD[ex], w.down_bias_ED[ex])
 
     y_AD = jax.lax.map(one_block, (x_GbD, expert_G)).reshape(-1, d)[slot_A]
     return _combine(y_AD.reshape(t, k, d), routing)
@@ -170,8 +199,8 @@ def moe_capacity(
     flat_slot_A = jnp.where(kept_A, experts_A * num_slots + slot_A, e * num_slots)
     slot_token = jnp.zeros((e * num_slots + 1,), jnp.int32).at[flat_slot_A].set(token_A)
     x_ECD = constrain(x_TD[slot_token[:-1]].reshape(e, num_slots, d), ("experts", None, None))
-    h = jnp.einsum("ECD,EDF->ECF", x_ECD, w.gate_up_EDF2) + w.gate_up_bias_EF2[:, None]
-    y_ECD = jnp.einsum("ECF,EFD->ECD", swiglu(h, limit), w.down_EFD) + w.down_bias_ED[:, None]
+    h = einsum("ECD,EDF->ECF", x_ECD, w.gate_up_EDF2, w.gate_up_bias_EF2[:, None])
+    y_ECD = einsum("ECF,EFD->ECD", swiglu(h, limit), w.down_EFD, w.down_bias_ED[:, None])
     y_AD = y_ECD.reshape(e * num_slots, d)[jnp.minimum(flat_slot_A, e * num_slots - 1)]
     weights_A = routing.weights_Tk.T.reshape(-1) * kept_A
     y_kTD = (y_AD * weights_A[:, None].astype(y_AD.dtype)).reshape(k, t, d)
@@ -230,8 +259,9 @@ def _expert_parallel_exact(x, r, w, cfg):
 def _expert_parallel_gmm(x, r, w, cfg, factor: float | None = None):
     from llm_jax.model.moe_parallel import moe_expert_parallel
 
-    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, factor or cfg.moe_capacity_factor,
-                               **_gmm_kernel())
+    if factor is None:
+        factor = cfg.moe_capacity_factor
+    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, factor, **_gmm_kernel())
 
 
 def _expert_parallel_gmm_exact(x, r, w, cfg):

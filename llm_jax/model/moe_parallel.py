@@ -34,6 +34,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from llm_jax.model.matmul import einsum
 from llm_jax.model.moe_dispatch import ExpertWeights, Routing, swiglu
 from llm_jax.parallel.sharding import RULES, logical_to_spec, spec_axes
 
@@ -97,7 +98,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
     y_back = jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True) if expert_axes else y_recv
     y_sorted = jnp.where(kept[:, None], y_back[jnp.minimum(flat, n * c - 1)], 0.0)
     y_A = jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
-    y_TD = jnp.einsum("TkD,Tk->TD", y_A.reshape(t, k, d), weights_Tk.astype(y_A.dtype))
+    y_TD = einsum("TkD,Tk->TD", y_A.reshape(t, k, d), weights_Tk.astype(y_A.dtype))
     dropped = jnp.sum(~kept).astype(jnp.float32)
     if batch_axes:
         dropped = jax.lax.psum(dropped, batch_axes)

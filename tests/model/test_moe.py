@@ -181,3 +181,37 @@ def test_load_balancing_loss_grows_when_routing_collapses():
     assert float(lb) == pytest.approx(e * (0.5 * p[0] + 0.5 * p[1]), rel=1e-5)
     assert float(lb) > 1.0
     np.testing.assert_allclose(load, [0.5, 0.5] + [0.0] * 6)
+
+
+def _numpy_swiglu_grad(h, g, limit):
+    """d/dh of sum(g * swiglu(h)), by hand: torch's clamp passes the gradient inside its
+    bounds, bounds included."""
+    glu_in, lin_in = h[..., 0::2], h[..., 1::2]
+    glu, lin = np.minimum(glu_in, limit), np.clip(lin_in, -limit, limit)
+    sig = 1 / (1 + np.exp(-1.702 * glu))
+    dh = np.empty_like(h)
+    dh[..., 0::2] = g * (lin + 1) * (sig + 1.702 * glu * sig * (1 - sig)) * (glu_in <= limit)
+    dh[..., 1::2] = g * glu * sig * (np.abs(lin_in) <= limit)
+    return dh
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2.0 ** -7)])
+def test_swiglu_gradient_matches_closed_form_across_the_clamps(dtype, rtol):
+    limit = 7.0
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(5, 3, 64)) * 6  # many pre-activations past +-7 on both halves
+    h[0, 0, :4] = [limit, limit, -3.0, -limit]  # on the bounds: glu = 7, lin = 7 and -7
+    g = rng.normal(size=(5, 3, 32))
+    hj, gj = jnp.asarray(h, dtype), jnp.asarray(g, dtype)
+    y, vjp = jax.vjp(lambda h: swiglu(h, limit), hj)
+    (dh,) = vjp(gj)
+    assert y.dtype == dh.dtype == dtype
+    h64, g64 = (np.asarray(x.astype(jnp.float32), np.float64) for x in (hj, gj))
+    glu, lin = np.minimum(h64[..., 0::2], limit), np.clip(h64[..., 1::2], -limit, limit)
+    y_ref = glu / (1 + np.exp(-1.702 * glu)) * (lin + 1)
+    atol = rtol * np.abs(y_ref).max()
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), y_ref, rtol=rtol, atol=atol)
+    dh_ref = _numpy_swiglu_grad(h64, g64, limit)
+    np.testing.assert_allclose(np.asarray(dh.astype(jnp.float32)), dh_ref, rtol=rtol,
+                               atol=rtol * np.abs(dh_ref).max())
+    assert (np.asarray(dh, np.float32)[h64 > limit] == 0).all()  # both halves clamped above
