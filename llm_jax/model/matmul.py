@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from llm_jax.kernels.select import backend  # the platform traced for (AOT targets included)
+
 
 def _spec(spec: str) -> tuple[str, str, str]:
     ins, out = spec.replace(" ", "").split("->")
@@ -46,8 +48,6 @@ def plain_layout(spec: str) -> bool:
 
 def _product(spec: str, a: jax.Array, b: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
     """One bfloat16 product accumulated in float32, in a form the backend runs."""
-    from llm_jax.kernels.select import backend  # the traced-for platform (AOT included)
-
     if backend() == "cpu" and not plain_layout(spec):
         f32 = jnp.float32
         return jnp.einsum(spec, a.astype(f32), b.astype(f32)).astype(out_dtype)
