@@ -57,10 +57,11 @@ class ExpertWeights(NamedTuple):
     down_bias_ED: jax.Array
 
 
-def _swiglu_f32(hf: jax.Array, limit: float) -> jax.Array:
-    glu = jnp.minimum(hf[..., 0::2], limit)
-    lin = jnp.clip(hf[..., 1::2], -limit, limit)
-    return glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)
+def _clamped(h: jax.Array, limit: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(glu input, linear input, clamped glu, clamped linear), in float32."""
+    hf = h.astype(jnp.float32)
+    glu_in, lin_in = hf[..., 0::2], hf[..., 1::2]
+    return glu_in, lin_in, jnp.minimum(glu_in, limit), jnp.clip(lin_in, -limit, limit)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -70,9 +71,11 @@ def swiglu(h: jax.Array, limit: float) -> jax.Array:
 
     Computed in float32, as the norms and RoPE are (one rounding for bfloat16). The gradient is
     written out: JAX's own scatters the two strided halves back with two pads and an add, which
-    XLA:CPU runs 6x slower than this one interleaving stack (docs/benchmarks.md). The clamps
-    pass the gradient where the input is within them, bounds included, as torch's clamp does."""
-    return _swiglu_f32(h.astype(jnp.float32), limit).astype(h.dtype)
+    XLA:CPU ran ~6x slower than this one interleaving stack in a microbenchmark (in the whole
+    step the difference is within the noise: docs/benchmarks.md). The clamps pass the gradient
+    where the input is within them, bounds included, as torch's clamp does."""
+    _, _, glu, lin = _clamped(h, limit)
+    return (glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)).astype(h.dtype)
 
 
 def _swiglu_fwd(h, limit):
@@ -80,9 +83,8 @@ def _swiglu_fwd(h, limit):
 
 
 def _swiglu_bwd(limit, h, g):
-    hf, g = h.astype(jnp.float32), g.astype(jnp.float32)
-    glu_in, lin_in = hf[..., 0::2], hf[..., 1::2]
-    glu, lin = jnp.minimum(glu_in, limit), jnp.clip(lin_in, -limit, limit)
+    glu_in, lin_in, glu, lin = _clamped(h, limit)
+    g = g.astype(jnp.float32)
     sig = jax.nn.sigmoid(SWIGLU_ALPHA * glu)
     dglu = g * (lin + 1.0) * sig * (1.0 + SWIGLU_ALPHA * glu * (1.0 - sig)) * (glu_in <= limit)
     dlin = g * glu * sig * (jnp.abs(lin_in) <= limit)
