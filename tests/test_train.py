@@ -35,6 +35,7 @@ def small_run_config(corpus_dir: str, num_steps: int = 6):
     cfg.data.files = os.path.join(corpus_dir, "*")
     cfg.data.validation_fraction = 0.2
     cfg.data.seq_len = 32
+    cfg.data.shuffle_buffer_tokens = 16 * 32  # the default 1M tokens takes seconds to fill here
     cfg.train.num_steps = num_steps
     cfg.train.batch_size = 4
     cfg.train.warmup_steps = 2

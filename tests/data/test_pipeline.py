@@ -20,6 +20,7 @@ from llm_jax.data.sources import ShardReadError
 
 SEQ_LEN = 32
 VOCAB = 300
+WINDOW_ROWS = 16  # row-shuffle window: 4 batches of 4, so resumes land inside and across windows
 KEYS = {"inputs", "targets", "positions", "segment_ids"}
 
 
@@ -30,8 +31,10 @@ def workdir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def cfg(shard_dir) -> DataConfig:
+    # The default buffer (1M tokens) would tokenize ~100 epochs of this corpus per iterator.
     return DataConfig(array_record_train=f"{shard_dir}/train-*", seq_len=SEQ_LEN,
-                      array_record_eval=f"{shard_dir}/eval-*")
+                      array_record_eval=f"{shard_dir}/eval-*",
+                      shuffle_buffer_tokens=WINDOW_ROWS * SEQ_LEN)
 
 
 def _data(cfg, workdir, *, batch=4, index=0, count=1, vocab=VOCAB, **overrides):
@@ -242,7 +245,8 @@ def test_tokenizing_in_worker_processes_gives_the_same_batches_and_resumes(cfg, 
 
 
 def test_tfds_dataset_by_name_with_mock_data(tmp_path):
-    cfg = DataConfig(tfds_name="lm1b", text_key="text", seq_len=8)
+    cfg = DataConfig(tfds_name="lm1b", text_key="text", seq_len=8,
+                     shuffle_buffer_tokens=WINDOW_ROWS * 8)
     with tfds.testing.mock_data(num_examples=200):
         data = make_datasets(cfg, workdir=str(tmp_path), vocab_size=300, global_batch_size=4,
                              process_index=0, process_count=1)
