@@ -123,7 +123,8 @@ def test_train_cli_end_to_end(corpus_dir, tmp_path):
         "model.num_hidden_layers": 2, "model.num_experts": 4, "model.hidden_size": 32,
         "model.intermediate_size": 32, "model.head_dim": 8, "model.vocab_size": 384,
         "data.files": os.path.join(corpus_dir, "*"), "data.validation_fraction": 0.2,
-        "data.seq_len": 32, "train.batch_size": 8, "train.num_steps": 30,
+        "data.seq_len": 32, "data.shuffle_buffer_tokens": 16 * 32, "train.batch_size": 8,
+        "train.num_steps": 30,
         "train.warmup_steps": 5, "train.learning_rate": 1e-2, "train.log_every_steps": 5,
         "train.eval_every_steps": 15, "train.eval_batches": 2, "checkpoint.every_steps": 15,
     }
