@@ -35,12 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_STEPS, EVERY = 24, 4
 RNG = np.random.default_rng(8)  # issue 8: the kill points are random, and reproducible
 
+# 16 rows of 32: the default 1M-token buffer would tokenize this corpus ~100 times per start.
+SHUFFLE_BUFFER_TOKENS = 16 * 32
 OVERRIDES = {
     "model.num_hidden_layers": 2, "model.num_experts": 4, "model.hidden_size": 32,
     "model.intermediate_size": 32, "model.head_dim": 8, "model.vocab_size": 384,
-    "data.seq_len": 32, "data.validation_fraction": 0.2, "data.shuffle_buffer_tokens": 16 * 32,
-    "train.batch_size": 4, "train.num_steps": NUM_STEPS, "train.warmup_steps": 2,
-    "train.log_every_steps": 1,
+    "data.seq_len": 32, "data.validation_fraction": 0.2,
+    "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS, "train.batch_size": 4,
+    "train.num_steps": NUM_STEPS, "train.warmup_steps": 2, "train.log_every_steps": 1,
     "train.eval_every_steps": 0, "train.num_samples": 0, "train.peak_flops": 1e11,
     "checkpoint.every_steps": EVERY, "checkpoint.max_to_keep": 10,
 }
@@ -256,7 +258,7 @@ def _small_cfg(corpus_dir: str, num_steps: int = 8, **train) -> ml_collections.C
     cfg.data.files = os.path.join(corpus_dir, "*")
     cfg.data.validation_fraction = 0.2
     cfg.data.seq_len = 32
-    cfg.data.shuffle_buffer_tokens = 16 * 32  # the default 1M tokens takes seconds to fill here
+    cfg.data.shuffle_buffer_tokens = SHUFFLE_BUFFER_TOKENS
     cfg.train.update(num_steps=num_steps, batch_size=4, warmup_steps=2, learning_rate=1e-2,
                      log_every_steps=1, eval_every_steps=0, num_samples=0, peak_flops=1e11,
                      **train)

@@ -17,17 +17,13 @@ import pytest
 from flax import nnx
 
 from llm_jax.training.checkpointing import Checkpointer, restore_params
-from llm_jax.config import ModelConfig
 from llm_jax.training.run_config import default_run_config, model_config
 from llm_jax.parallel.sharding import make_mesh
 from llm_jax.training.loop import train
 from llm_jax.training.step import compile_steps, decay_mask, learning_rate_schedule
+from test_reliability import SHUFFLE_BUFFER_TOKENS, SMALL_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-
-SMALL_MODEL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=384,
-                          hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=4,
-                          num_key_value_heads=2, sliding_window=8)
 
 
 def small_run_config(corpus_dir: str, num_steps: int = 6):
@@ -35,7 +31,7 @@ def small_run_config(corpus_dir: str, num_steps: int = 6):
     cfg.data.files = os.path.join(corpus_dir, "*")
     cfg.data.validation_fraction = 0.2
     cfg.data.seq_len = 32
-    cfg.data.shuffle_buffer_tokens = 16 * 32  # the default 1M tokens takes seconds to fill here
+    cfg.data.shuffle_buffer_tokens = SHUFFLE_BUFFER_TOKENS
     cfg.train.num_steps = num_steps
     cfg.train.batch_size = 4
     cfg.train.warmup_steps = 2
@@ -123,8 +119,8 @@ def test_train_cli_end_to_end(corpus_dir, tmp_path):
         "model.num_hidden_layers": 2, "model.num_experts": 4, "model.hidden_size": 32,
         "model.intermediate_size": 32, "model.head_dim": 8, "model.vocab_size": 384,
         "data.files": os.path.join(corpus_dir, "*"), "data.validation_fraction": 0.2,
-        "data.seq_len": 32, "data.shuffle_buffer_tokens": 16 * 32, "train.batch_size": 8,
-        "train.num_steps": 30,
+        "data.seq_len": 32, "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS,
+        "train.batch_size": 8, "train.num_steps": 30,
         "train.warmup_steps": 5, "train.learning_rate": 1e-2, "train.log_every_steps": 5,
         "train.eval_every_steps": 15, "train.eval_batches": 2, "checkpoint.every_steps": 15,
     }
