@@ -242,16 +242,19 @@ def test_kv_bytes_equal_the_size_of_a_real_cache(window, dtype):
         assert cache_nbytes(cache) == kv_cache_bytes(cfg, length, batch=2, dtype=dtype)
         # Sliding layers are capped at min(len, W), full layers hold every position.
         assert [c.slots for c in cache] == list(kv_cache_lengths(cfg, length))
-        assert all(c.k.shape == c.v.shape == (2, cfg.num_key_value_heads, c.slots, cfg.head_dim)
-                   for c in cache)
+        kh = (2, cfg.num_key_value_heads)
+        assert all(c.k.shape == (*kh, cfg.head_dim, c.slots)
+                   and c.v.shape == (*kh, c.slots, cfg.head_dim) for c in cache)
     assert cache_nbytes(init_cache(cfg, 2, 1000)) < 2 * cache_nbytes(init_cache(cfg, 2, 500)) + 1
 
 
 def test_cache_is_sharded_by_the_logical_rules_on_a_one_device_mesh(model):
     mesh = make_mesh({"data": 1})
-    spec = cache_shardings(mesh, CFG)[1].k.spec
-    assert spec == logical_to_spec(CACHE_AXES)
-    assert spec[0] == logical_to_spec(("batch",))[0] and spec[1] == "tensor"
+    layer = cache_shardings(mesh, CFG)[1]
+    assert layer.k.spec == logical_to_spec(CACHE_AXES.k)
+    assert layer.v.spec == logical_to_spec(CACHE_AXES.v)
+    for spec in (layer.k.spec, layer.v.spec):
+        assert spec[0] == logical_to_spec(("batch",))[0] and spec[1] == "tensor"
     assert generate(model, PROMPTS, max_new_tokens=5, mesh=mesh) == \
         generate(model, PROMPTS, max_new_tokens=5)
 

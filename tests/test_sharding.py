@@ -177,6 +177,15 @@ def test_expert_parallel_moe_equals_single_device_moe():
         assert errs["drop"] == 0.0, (mesh, errs)
 
 
+def test_decoding_with_a_sharded_cache_equals_one_device():
+    # Batch on data, kv heads on tensor: the keys' [B, K, H, S] and values' [B, K, S, H] caches
+    # are constrained to their own logical specs every step; tokens and logits as unsharded.
+    r = _child("sharded_decode")
+    for mesh, errs in r.items():
+        assert errs["same_tokens"], (mesh, errs)
+        assert errs["logits"] < 1e-5, (mesh, errs)
+
+
 def test_dimension_not_divisible_by_its_mesh_axis_names_both_numbers():
     r = _child("bad_divisibility")
     assert "has size 6, not divisible by mesh axes expert=4" in r["experts"], r
@@ -250,6 +259,24 @@ def case_expert_parallel() -> dict:
             "grads": max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
                          for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref))),
             "drop": float(drop)}
+    return out
+
+
+def case_sharded_decode() -> dict:
+    from llm_jax.inference.sampler import sample
+    from llm_jax.model import init_model
+
+    model = init_model(tiny_model(moe_dispatch="auto"), 0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 128, size=n).tolist() for n in (3, 11, 7, 20)]
+    ref_ids, ref_logits = sample(model, prompts, max_new_tokens=12, return_logits=True)
+    out = {}
+    for sizes in ({"data": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}):
+        ids, logits = sample(model, prompts, max_new_tokens=12, return_logits=True,
+                             mesh=sh.make_mesh(sizes))
+        out[str(sizes)] = {"same_tokens": ids == ref_ids, "logits": max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(logits, ref_logits))}
     return out
 
 

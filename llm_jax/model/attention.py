@@ -63,12 +63,27 @@ def attend(
     mask_BTS: jax.Array,
 ) -> jax.Array:
     """Softmax attention with sinks; scores and softmax in float32. Returns [B, T, N, H]."""
+    return attend_heads_major(q_BTNH, jnp.transpose(k_BSKH, (0, 2, 3, 1)),
+                              jnp.swapaxes(v_BSKH, 1, 2), sinks_N, mask_BTS)
+
+
+def attend_heads_major(
+    q_BTNH: jax.Array,
+    k_BKHS: jax.Array,
+    v_BKSH: jax.Array,
+    sinks_N: jax.Array,
+    mask_BTS: jax.Array,
+) -> jax.Array:
+    """`attend` with keys [B, K, H, S] and values [B, K, S, H], the KV cache's layouts: (B, K)
+    batches of a (G T, H) x (H, S) and a (G T, S) x (S, H) matmul, the plain layout XLA:CPU's
+    fast kernels take. Asking for [B, T, K, G] outputs directly made it contract over non-minor
+    axes in a slow generic dot (3.7x slower for a decode step's probabilities x values)."""
     b, t, n, h = q_BTNH.shape
-    k_heads = k_BSKH.shape[2]
+    k_heads = k_BKHS.shape[1]
     g = n // k_heads
-    q_BTKGH = q_BTNH.reshape(b, t, k_heads, g, h)
+    q_BKGTH = jnp.transpose(q_BTNH.reshape(b, t, k_heads, g, h), (0, 2, 3, 1, 4))
     scores_BKGTS = einsum(
-        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+        "BKGTH,BKHS->BKGTS", q_BKGTH, k_BKHS, preferred_element_type=jnp.float32
     ) * (h ** -0.5)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, _MASKED)
     # softmax over [scores, sink] without materialising the concatenated row: the sink only
@@ -77,11 +92,7 @@ def attend(
     row_max = jax.lax.stop_gradient(jnp.maximum(scores_BKGTS.max(-1, keepdims=True), sink_BKGT1))
     e = jnp.exp(scores_BKGTS - row_max)
     probs = e / (e.sum(-1, keepdims=True) + jnp.exp(sink_BKGT1 - row_max))
-    # (B, K) batches of a (G T, S) x (S, H) matmul, the layout XLA:CPU's fast kernels take;
-    # asking for BTKGH directly made it contract V over a non-minor axis in a slow generic dot
-    # (3.7x slower for a decode step's [8, 2, 2, 1, 384] x [8, 2, 384, 64]).
-    out_BKGTH = einsum("BKGTS,BKSH->BKGTH", probs.astype(v_BSKH.dtype),
-                       jnp.swapaxes(v_BSKH, 1, 2))
+    out_BKGTH = einsum("BKGTS,BKSH->BKGTH", probs.astype(v_BKSH.dtype), v_BKSH)
     return jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
 
@@ -188,6 +199,6 @@ class Attention(nnx.Module):
         mask = attention_mask(positions_B[:, None], kv_positions_BS, window, None,
                               (kv_positions_BS >= 0).astype(jnp.int32))
         cdt = self.cfg.compute_dtype
-        o = attend(q_B1NH, jnp.swapaxes(cache.k, 1, 2).astype(cdt),
-                   jnp.swapaxes(cache.v, 1, 2).astype(cdt), self.sinks[...], mask)
+        o = attend_heads_major(q_B1NH, cache.k.astype(cdt), cache.v.astype(cdt),
+                               self.sinks[...], mask)
         return o, cache

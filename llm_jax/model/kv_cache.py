@@ -6,8 +6,12 @@ Each layer has its own `LayerCache` of S slots, a ring: position p lives in slot
 layer has S = max_len, so its slot is its position; a sliding layer keeps only the last
 S = min(max_len, W) positions it can still see (what `describe.kv_cache_bytes` prices). A slot's
 position is never stored: for a sequence whose newest position is q, slot s holds
-q - ((q - s) mod S), or nothing if that is negative. Slots come after kv heads so that a
-layer's [B, K, S, H] arrays are already the layout of decode attention's (B, K) batched matmuls.
+q - ((q - s) mod S), or nothing if that is negative.
+
+The layouts are those of decode attention's (B, K) batched matmuls, so a step reads the cache
+in place: values [B, K, S, H] (probabilities [G T, S] x values [S, H]) and keys transposed,
+[B, K, H, S] (queries [G T, H] x keys [H, S]). With keys [B, K, S, H] XLA:CPU ran the score
+product as a transposed-operand matmul about 2x slower (docs/benchmarks.md, issue 15).
 Per-layer arrays (not one stack) let every layer be updated in place without slicing copies.
 """
 
@@ -24,18 +28,22 @@ from llm_jax.parallel.sharding import logical_to_spec
 
 # Logical names of a layer cache's dimensions, mapped onto a mesh by llm_jax.sharding.RULES
 # (batch on the data axes, kv heads on `tensor`), the same table the weights use.
-CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
+KEY_CACHE_AXES = ("batch", "kv_heads", "head_dim", "length")
+VALUE_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 class LayerCache(NamedTuple):
-    """One layer's post-RoPE keys and values, [B, K, S, H] each."""
+    """One layer's post-RoPE keys [B, K, H, S] and values [B, K, S, H]."""
 
     k: jax.Array
     v: jax.Array
 
     @property
     def slots(self) -> int:
-        return self.k.shape[2]
+        return self.v.shape[2]
+
+
+CACHE_AXES = LayerCache(KEY_CACHE_AXES, VALUE_CACHE_AXES)
 
 
 KVCache = tuple[LayerCache, ...]  # one entry per layer
@@ -58,25 +66,31 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     k, h = cfg.num_key_value_heads, cfg.head_dim
 
     def empty(layer: int) -> LayerCache:
-        shape = (batch, k, layer_slots(cfg, layer, max_len), h)
-        return LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        s = layer_slots(cfg, layer, max_len)
+        return LayerCache(jnp.zeros((batch, k, h, s), dtype), jnp.zeros((batch, k, s, h), dtype))
 
     return tuple(empty(i) for i in range(cfg.num_hidden_layers))
 
 
+def _layer_shardings(mesh: Mesh, rules=None) -> LayerCache:
+    def sharding(axes: tuple[str, ...]) -> NamedSharding:
+        return NamedSharding(mesh, logical_to_spec(axes) if rules is None
+                             else logical_to_spec(axes, rules))
+
+    return LayerCache(*(sharding(axes) for axes in CACHE_AXES))
+
+
 def cache_shardings(mesh: Mesh, cfg: ModelConfig, rules=None) -> KVCache:
     """NamedShardings of every cache array on `mesh`, from CACHE_AXES and the sharding rules."""
-    spec = logical_to_spec(CACHE_AXES) if rules is None else logical_to_spec(CACHE_AXES, rules)
-    s = NamedSharding(mesh, spec)
-    return tuple(LayerCache(s, s) for _ in range(cfg.num_hidden_layers))
+    return (_layer_shardings(mesh, rules),) * cfg.num_hidden_layers
 
 
 def shard_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     """Constrains (inside jit) the cache to its logical sharding; a no-op without a mesh."""
     if mesh is None:
         return cache
-    spec = NamedSharding(mesh, logical_to_spec(CACHE_AXES))
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec), cache)
+    layer = _layer_shardings(mesh)
+    return tuple(LayerCache(*map(jax.lax.with_sharding_constraint, c, layer)) for c in cache)
 
 
 def ring_positions(newest_B: jax.Array, slots: int) -> jax.Array:
@@ -93,10 +107,11 @@ def fill(cache: LayerCache, k_BTKH: jax.Array, v_BTKH: jax.Array,
     rows = jnp.arange(k_BTKH.shape[0])[:, None]
     src_BS = jnp.maximum(ring_positions(newest_B, cache.slots), 0)  # empty slots: any row
 
-    def put(x_BTKH: jax.Array, dtype) -> jax.Array:
-        return jnp.swapaxes(x_BTKH[rows, src_BS], 1, 2).astype(dtype)
+    def put(x_BTKH: jax.Array, dtype, order: tuple[int, ...]) -> jax.Array:
+        return jnp.transpose(x_BTKH[rows, src_BS], order).astype(dtype)  # from [B, S, K, H]
 
-    return LayerCache(put(k_BTKH, cache.k.dtype), put(v_BTKH, cache.v.dtype))
+    return LayerCache(put(k_BTKH, cache.k.dtype, (0, 2, 3, 1)),
+                      put(v_BTKH, cache.v.dtype, (0, 2, 1, 3)))
 
 
 def append(cache: LayerCache, k_BKH: jax.Array, v_BKH: jax.Array,
@@ -106,6 +121,6 @@ def append(cache: LayerCache, k_BKH: jax.Array, v_BKH: jax.Array,
     slot = positions_B % cache.slots
     # In bounds by construction; saying so lets XLA update in place instead of selecting over
     # the whole array to drop out-of-bounds writes.
-    k = cache.k.at[rows, :, slot].set(k_BKH.astype(cache.k.dtype), mode="promise_in_bounds")
+    k = cache.k.at[rows, :, :, slot].set(k_BKH.astype(cache.k.dtype), mode="promise_in_bounds")
     v = cache.v.at[rows, :, slot].set(v_BKH.astype(cache.v.dtype), mode="promise_in_bounds")
     return LayerCache(k, v)
