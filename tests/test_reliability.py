@@ -37,10 +37,16 @@ RNG = np.random.default_rng(8)  # issue 8: the kill points are random, and repro
 
 # 16 rows of 32: the default 1M-token buffer would tokenize this corpus ~100 times per start.
 SHUFFLE_BUFFER_TOKENS = 16 * 32
+# The suite's small model: in process as a ModelConfig, on the command line as the overrides of
+# configs/tiny.py below (the fields where the two differ).
+SMALL_MODEL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=384,
+                          hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=4,
+                          num_key_value_heads=2, sliding_window=8)
+SMALL_MODEL_OVERRIDES = {f"model.{k}": getattr(SMALL_MODEL, k) for k in (
+    "num_hidden_layers", "num_experts", "hidden_size", "intermediate_size", "head_dim",
+    "vocab_size")}
 OVERRIDES = {
-    "model.num_hidden_layers": 2, "model.num_experts": 4, "model.hidden_size": 32,
-    "model.intermediate_size": 32, "model.head_dim": 8, "model.vocab_size": 384,
-    "data.seq_len": 32, "data.validation_fraction": 0.2,
+    **SMALL_MODEL_OVERRIDES, "data.seq_len": 32, "data.validation_fraction": 0.2,
     "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS, "train.batch_size": 4,
     "train.num_steps": NUM_STEPS, "train.warmup_steps": 2, "train.log_every_steps": 1,
     "train.eval_every_steps": 0, "train.num_samples": 0, "train.peak_flops": 1e11,
@@ -248,21 +254,19 @@ def test_injected_nan_stops_the_cli_at_that_step_and_saves_nothing_after(corpus_
 # ---------------------------------------------------------------- in-process: cheaper checks
 
 
-SMALL_MODEL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=384,
-                          hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=4,
-                          num_key_value_heads=2, sliding_window=8)
-
-
-def _small_cfg(corpus_dir: str, num_steps: int = 8, **train) -> ml_collections.ConfigDict:
+def _small_cfg(corpus_dir: str, num_steps: int = 8, checkpoint_every: int = EVERY,
+               **train) -> ml_collections.ConfigDict:
+    """The run config of SMALL_MODEL on `corpus_dir`, synchronous checkpoints; `train` overrides
+    the train section."""
     cfg = default_run_config("small", SMALL_MODEL)
     cfg.data.files = os.path.join(corpus_dir, "*")
     cfg.data.validation_fraction = 0.2
     cfg.data.seq_len = 32
     cfg.data.shuffle_buffer_tokens = SHUFFLE_BUFFER_TOKENS
-    cfg.train.update(num_steps=num_steps, batch_size=4, warmup_steps=2, learning_rate=1e-2,
-                     log_every_steps=1, eval_every_steps=0, num_samples=0, peak_flops=1e11,
-                     **train)
-    cfg.checkpoint.update(every_steps=EVERY, async_save=False)
+    cfg.train.update({**dict(num_steps=num_steps, batch_size=4, warmup_steps=2, learning_rate=1e-2,
+                             log_every_steps=1, eval_every_steps=0, num_samples=0,
+                             peak_flops=1e11), **train})
+    cfg.checkpoint.update(every_steps=checkpoint_every, async_save=False)
     return cfg
 
 

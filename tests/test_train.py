@@ -17,33 +17,19 @@ import pytest
 from flax import nnx
 
 from llm_jax.training.checkpointing import Checkpointer, restore_params
-from llm_jax.training.run_config import default_run_config, model_config
+from llm_jax.training.run_config import model_config
 from llm_jax.parallel.sharding import make_mesh
 from llm_jax.training.loop import train
 from llm_jax.training.step import compile_steps, decay_mask, learning_rate_schedule
-from test_reliability import SHUFFLE_BUFFER_TOKENS, SMALL_MODEL
+from test_reliability import (SHUFFLE_BUFFER_TOKENS, SMALL_MODEL, SMALL_MODEL_OVERRIDES,
+                              _small_cfg)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_run_config(corpus_dir: str, num_steps: int = 6):
-    cfg = default_run_config("small", SMALL_MODEL)
-    cfg.data.files = os.path.join(corpus_dir, "*")
-    cfg.data.validation_fraction = 0.2
-    cfg.data.seq_len = 32
-    cfg.data.shuffle_buffer_tokens = SHUFFLE_BUFFER_TOKENS
-    cfg.train.num_steps = num_steps
-    cfg.train.batch_size = 4
-    cfg.train.warmup_steps = 2
-    cfg.train.learning_rate = 1e-2
-    cfg.train.log_every_steps = 1
-    cfg.train.eval_every_steps = 3
-    cfg.train.eval_batches = 2
-    cfg.checkpoint.every_steps = 3
-    cfg.checkpoint.async_save = False
-    cfg.train.num_samples = 0
-    cfg.train.peak_flops = 1e11
-    return cfg
+    return _small_cfg(corpus_dir, num_steps, checkpoint_every=3, eval_every_steps=3,
+                      eval_batches=2)
 
 
 def _random_batch(rng, b, t, v):
@@ -116,9 +102,7 @@ def test_resume_is_exact(corpus_dir, tmp_path):
 def test_train_cli_end_to_end(corpus_dir, tmp_path):
     workdir = tmp_path / "run"
     overrides = {
-        "model.num_hidden_layers": 2, "model.num_experts": 4, "model.hidden_size": 32,
-        "model.intermediate_size": 32, "model.head_dim": 8, "model.vocab_size": 384,
-        "data.files": os.path.join(corpus_dir, "*"), "data.validation_fraction": 0.2,
+        **SMALL_MODEL_OVERRIDES, "data.files": os.path.join(corpus_dir, "*"), "data.validation_fraction": 0.2,
         "data.seq_len": 32, "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS,
         "train.batch_size": 8, "train.num_steps": 30,
         "train.warmup_steps": 5, "train.learning_rate": 1e-2, "train.log_every_steps": 5,
