@@ -25,6 +25,7 @@ from llm_jax.weights import formats as cio  # noqa: E402
 from llm_jax.config import ModelConfig  # noqa: E402
 from llm_jax.model.costs import kv_cache_bytes, kv_cache_lengths  # noqa: E402
 from llm_jax.generate import main  # noqa: E402
+from llm_jax.inference import loop  # noqa: E402
 from llm_jax.inference.loop import bucket, generate_jit  # noqa: E402
 from llm_jax.inference.sampler import sample as generate  # noqa: E402
 from llm_jax.inference.sampling import greedy_tokens  # noqa: E402
@@ -163,6 +164,24 @@ def test_greedy_tokens_match_transformers_generate(tmp_path):
 
 
 # ---------------------------------------------------------------------- batching
+def test_decoding_from_stacked_layer_weights_equals_slicing_them_once(model, monkeypatch):
+    # On CPU the loop slices each layer's weights once before it (loop.SLICE_LAYERS_MAX_BYTES);
+    # with the limit at 0 every step reads the stacked weights, as on accelerators.
+    assert loop._slice_layers_once(model)
+    ids, logits = generate(model, PROMPTS, max_new_tokens=9, return_logits=True)
+    monkeypatch.setattr(loop, "SLICE_LAYERS_MAX_BYTES", 0)
+    assert not loop._slice_layers_once(model)
+    generate_jit.clear_cache()
+    try:
+        stacked_ids, stacked_logits = generate(model, PROMPTS, max_new_tokens=9,
+                                               return_logits=True)
+    finally:
+        generate_jit.clear_cache()
+    assert stacked_ids == ids
+    for a, b in zip(stacked_logits, logits):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_batch_of_different_lengths_equals_each_prompt_alone(model):
     batch = generate(model, PROMPTS, max_new_tokens=10)
     assert batch == [generate(model, p, max_new_tokens=10) for p in PROMPTS]

@@ -86,9 +86,11 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         *,
         train: bool = False,
+        layers: tuple[nnx.State, ...] | None = None,
     ) -> tuple[jax.Array, MoEAux, KVCache | None]:
         """Final-normed hidden states [B, T, D], per-layer MoE aux (leading axis L) and the
-        updated cache (None without one). `train=True` allows a dropping MoE dispatch."""
+        updated cache (None without one). `train=True` allows a dropping MoE dispatch.
+        `layers`: `layer_states()` computed once outside a decode loop (with a cache only)."""
         cfg = self.cfg
         chex.assert_rank(tokens_BT, 2)
         b, t = tokens_BT.shape
@@ -113,8 +115,10 @@ class Transformer(nnx.Module):
                 raise ValueError(f"cache has {len(cache)} layers: expected num_hidden_layers="
                                  f"{cfg.num_hidden_layers} (build it with init_cache)")
             auxes, new_cache = [], []
+            if layers is None:
+                layers = self.layer_states()
             for i, layer_cache in enumerate(cache):
-                block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state))
+                block = nnx.merge(graphdef, layers[i])
                 x, aux, layer_cache = block(x, positions_BT, cfg.layer_window(i), segment_ids_BT,
                                             layer_cache, train=train)
                 x = constrain(x, RESIDUAL)
@@ -124,6 +128,12 @@ class Transformer(nnx.Module):
             cache = tuple(new_cache)
         chex.assert_shape(x, (b, t, cfg.hidden_size))
         return self.norm(x), aux, cache
+
+    def layer_states(self) -> tuple[nnx.State, ...]:
+        """Each layer's slice of the stacked layer weights, one state per layer."""
+        _, layer_state = nnx.split(self.layers)
+        return tuple(jax.tree.map(lambda a, i=i: a[i], layer_state)
+                     for i in range(self.cfg.num_hidden_layers))
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         cdt = self.cfg.compute_dtype
