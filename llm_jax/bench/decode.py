@@ -4,18 +4,18 @@
         [--new_tokens 256] [--no_hf]
 
 Random weights of configs/tiny.py's model, greedy: llm_jax's on-device decode loop
-(`llm_jax.sample`) against GptOssForCausalLM.generate with eager attention on the same weights,
-run in a process of its own (two runtimes in one process slow each other down, bench/common.py);
-and the real cache's bytes against describe.kv_cache_bytes at several contexts.
+(`llm_jax.sample`) against GptOssForCausalLM.generate with eager attention on the same weights.
+Each contender runs in a process of its own (two runtimes in one process slow each other down,
+bench/common.py) and they take turns call by call; and the real cache's bytes against
+describe.kv_cache_bytes at several contexts.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,11 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm_jax.bench.common import in_own_process, machine, table
+from llm_jax.bench.common import Isolated, alternate, machine, median, table
 from llm_jax.bench.train import quick_model_config, tiny_run_config
 from llm_jax.config import ModelConfig
 from llm_jax.inference.loop import prefill
 from llm_jax.inference.sampler import sample
+from llm_jax.model import init_model
+from llm_jax.model.costs import kv_cache_bytes
 from llm_jax.model.kv_cache import cache_nbytes, init_cache
 
 
@@ -47,49 +49,38 @@ def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1,
     return {"benchmark": "decode", "machine": machine(), **r}
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), prompt_len: int = 128,
           new_tokens: int = 256, repeats: int = 3, hf: bool = True,
           kv_contexts: Sequence[int] = (128, 512, 2048, 8192), seed: int = 0) -> dict[str, Any]:
     """Prefill time and decode tokens/s (medians of `repeats`) for random weights of `cfg`
     (default: the tiny config), beside transformers' `generate` on the same weights; and the real
-    cache's bytes against describe.kv_cache_bytes at several contexts."""
-    from llm_jax.model.costs import kv_cache_bytes
-    from llm_jax.model import init_model
+    cache's bytes against describe.kv_cache_bytes at several contexts.
 
+    Every contender (each side's prefill and whole generate call) runs in its own process, and
+    all of a batch's contenders take turns, A B C D A B C D (`alternate`), so that the machine's
+    drifting speed falls on both sides alike: decode tok/s is B (new_tokens - 1) / (median
+    generate - median prefill)."""
     cfg = cfg or ModelConfig()
-    model = init_model(cfg, seed)
     rng = np.random.default_rng(seed)
+    sides = {"llm_jax": _jax_contender, **({"transformers": _hf_contender} if hf else {})}
     rows = []
-    graphdef, state = nnx.split(model)
-    jprefill = jax.jit(lambda s, t, n: prefill(
-        nnx.merge(graphdef, s), t, n, init_cache(cfg, t.shape[0], prompt_len + new_tokens))[0])
     for b in batches:
         prompts = rng.integers(4, cfg.vocab_size, (b, prompt_len)).astype(np.int32)
-        lengths = jnp.full((b,), prompt_len, jnp.int32)
-        jax.block_until_ready(jprefill(state, jnp.asarray(prompts), lengths))
-        t_prefill = _median_time(lambda: jax.block_until_ready(
-            jprefill(state, jnp.asarray(prompts), lengths)), repeats)
-        run = lambda: sample(model, prompts, max_new_tokens=new_tokens)  # noqa: E731
-        t0 = time.perf_counter()
-        run()
-        compile_s = time.perf_counter() - t0
-        t_total = _median_time(run, repeats)
-        row = {"batch": b, "prompt_len": prompt_len, "new_tokens": new_tokens,
-               "llm_jax": {"prefill_s": t_prefill, "total_s": t_total,
-                           "first_call_s": compile_s,
-                           "decode_tokens_per_s": b * (new_tokens - 1) / (t_total - t_prefill)}}
-        if hf:
-            row["transformers"] = in_own_process(_hf_row, cfg, seed, prompts, new_tokens,
-                                                  repeats)
+        fns = {(side, what): Isolated(functools.partial(make, cfg, seed, prompts, new_tokens,
+                                                        what))
+               for side, make in sides.items() for what in ("prefill", "generate")}
+        try:
+            times = alternate(fns, repeats=repeats)
+        finally:
+            for f in fns.values():
+                f.close()
+        row: dict[str, Any] = {"batch": b, "prompt_len": prompt_len, "new_tokens": new_tokens}
+        for side in sides:
+            t_prefill, t_total = (median(times[side, w]) for w in ("prefill", "generate"))
+            row[side] = {"prefill_s": t_prefill, "total_s": t_total,
+                         "prefill_times_s": times[side, "prefill"],
+                         "total_times_s": times[side, "generate"],
+                         "decode_tokens_per_s": b * (new_tokens - 1) / (t_total - t_prefill)}
         rows.append(row)
     kv = []
     for c in (cfg, cfg.replace(sliding_window=128)):
@@ -101,12 +92,38 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
             "repeats": repeats, "decode": rows, "kv_cache": kv}
 
 
-def _hf_row(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: int,
-            repeats: int) -> dict[str, float]:
-    """transformers' side, in a fresh process: the twin of `init_model(cfg, seed)`, timed."""
-    from llm_jax.model import init_model
+def _jax_contender(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: int,
+                   what: str) -> Callable[[], Any]:
+    """In a child process: llm_jax's prefill alone, or its whole `sample` call, compiled."""
+    model = init_model(cfg, seed)
+    if what == "generate":
+        return lambda: sample(model, prompts, max_new_tokens=new_tokens)
+    graphdef, state = nnx.split(model)
+    b, p = prompts.shape
+    jprefill = jax.jit(lambda s, t, n: prefill(nnx.merge(graphdef, s), t, n,
+                                               init_cache(cfg, b, p + new_tokens))[0])
+    tokens, lengths = jnp.asarray(prompts), jnp.full((b,), p, jnp.int32)
+    return lambda: jax.block_until_ready(jprefill(state, tokens, lengths))
 
-    return _bench_hf(_hf_twin(init_model(cfg, seed)), prompts, new_tokens, repeats)
+
+def _hf_contender(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: int,
+                  what: str) -> Callable[[], Any]:
+    """In a child process: the twin of `init_model(cfg, seed)` in transformers, its prefill (a
+    forward with the cache) or its greedy `generate` of exactly `new_tokens` tokens."""
+    import torch
+
+    hf_model = _hf_twin(init_model(cfg, seed))
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              pad_token_id=0, eos_token_id=None)
+
+    @torch.no_grad()
+    def call():
+        if what == "generate":
+            return hf_model.generate(ids, **kw)
+        return hf_model(ids, use_cache=True)
+
+    return call
 
 
 def _hf_twin(model: nnx.Module):
@@ -122,23 +139,6 @@ def _hf_twin(model: nnx.Module):
         hf = transformers.GptOssForCausalLM.from_pretrained(
             d, dtype=torch.float32, attn_implementation="eager")
     return hf.eval()
-
-
-def _bench_hf(hf_model, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict[str, float]:
-    import torch
-
-    ids = torch.from_numpy(prompts.astype(np.int64))
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-              pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        hf_model(ids)
-        t_prefill = _median_time(lambda: hf_model(ids, use_cache=True), repeats)
-        hf_model.generate(ids, **kw)
-        t_total = _median_time(lambda: hf_model.generate(ids, **kw), repeats)
-    b = prompts.shape[0]
-    return {"prefill_s": t_prefill, "total_s": t_total,
-            "decode_tokens_per_s": b * (new_tokens - 1) / (t_total - t_prefill),
-            "torch_threads": torch.get_num_threads()}
 
 
 def format_result(r: dict[str, Any]) -> str:
