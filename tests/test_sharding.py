@@ -181,6 +181,7 @@ def test_decoding_with_a_sharded_cache_equals_one_device():
     # Batch on data, kv heads on tensor: the keys' [B, K, H, S] and values' [B, K, S, H] caches
     # are constrained to their own logical specs every step; tokens and logits as unsharded.
     r = _child("sharded_decode")
+    assert len(r) == 2, r
     for mesh, errs in r.items():
         assert errs["same_tokens"], (mesh, errs)
         assert errs["logits"] < 1e-5, (mesh, errs)
