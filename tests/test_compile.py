@@ -73,3 +73,31 @@ def test_bad_mesh_for_the_topology_names_both_numbers():
     out = cli("--cpu_devices", "8", "--mesh", "data=3")
     assert out.returncode == 2
     assert "multiply to 3, but there are 8 devices" in out.stderr
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
+                    "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
+def test_sharded_generation_compiles_for_a_tpu_topology():
+    # Prefill runs splash attention and the grouped-matmul MoE (Pallas): on a mesh of several
+    # chips they must be traced under it (shard_map) or the program does not compile.
+    code = """
+import json
+from llm_jax.config import ModelConfig
+from llm_jax.parallel import aot
+from llm_jax.parallel.sharding import make_mesh
+cfg = ModelConfig(num_hidden_layers=2, num_experts=8, hidden_size=64, intermediate_size=64,
+                  head_dim=16, vocab_size=256)
+devices = aot.tpu_devices("v5e-4")
+out = {}
+for sizes in ({"data": 2, "tensor": 2}, {"fsdp": 2, "expert": 2}):
+    compiled = aot.compile_generate(cfg, make_mesh(sizes, devices), batch=4, prompt_len=300,
+                                    new_tokens=20)
+    out[str(sizes)] = compiled.as_text().count("tpu_custom_call")
+print(json.dumps(out))
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(kernels) == 2 and all(n > 0 for n in kernels.values()), kernels

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from llm_jax.inference.sampling import sample_logits
 from llm_jax.kernels.select import backend
 from llm_jax.model.kv_cache import KVCache, init_cache, shard_cache
+from llm_jax.parallel.sharding import with_mesh
 
 MIN_BUCKET = 16
 
@@ -85,7 +86,17 @@ class Plan:
 
 def generate_program(graphdef, state, prompts_BP, lengths_B, max_new, key, temperature, top_k,
                      top_p, eos_id, *, plan: Plan, emit: StreamFn | None = None):
-    """(new tokens [B, N], how many each row made [B], logits [B, N, V] or None)."""
+    """(new tokens [B, N], how many each row made [B], logits [B, N, V] or None), traced under
+    `plan.mesh`: the model's sharding constraints and the Pallas kernels' `shard_map` (splash
+    attention, grouped matmuls) see it, as in training (without it a TPU prefill on a mesh of
+    several chips did not compile)."""
+    return with_mesh(_generate, plan.mesh)(graphdef, state, prompts_BP, lengths_B, max_new, key,
+                                           temperature, top_k, top_p, eos_id, plan=plan,
+                                           emit=emit)
+
+
+def _generate(graphdef, state, prompts_BP, lengths_B, max_new, key, temperature, top_k, top_p,
+              eos_id, *, plan: Plan, emit: StreamFn | None):
     model = nnx.merge(graphdef, state)
     b = prompts_BP.shape[0]
     n = plan.new_bucket

@@ -12,6 +12,9 @@ nothing is allocated, and `compiled.memory_analysis()` gives per-chip bytes: arg
 optimizer state, batch), outputs, temporaries; the state is donated, so outputs alias it. Next
 to it, the arithmetic estimate of `describe.memory_per_device`.
 
+`compile_generate` does the same for the generation program (`llm_jax.sample` with a mesh), from
+Python.
+
 Topology names: `v5p-N`, `v4-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N` count chips
 (Cloud TPU accelerator types); or libtpu's own `v5p:2x2x4`.
 """
@@ -135,6 +138,36 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
         "estimate": {k: estimate[k] for k in ("params", "grads", "adam_m_v", "activations",
                                               "total")},
     }
+
+
+def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int) -> Any:
+    """The compiled program of `llm_jax.sample(model, prompts, mesh=mesh)` for `cfg` (greedy,
+    prompts of `prompt_len`, `new_tokens` new), lowered with abstract, replicated weights on
+    `mesh`'s devices, for their platform: does sharded generation compile for a TPU slice?"""
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from llm_jax.inference.loop import Plan, bucket, generate_jit
+    from llm_jax.kernels.select import compiling_for
+    from llm_jax.model import abstract_model
+
+    graphdef, state = nnx.split(abstract_model(cfg))
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    state = jax.tree.map(lambda a: arg(a.shape, a.dtype), state)
+    plan = Plan(new_bucket=bucket(new_tokens), max_len=bucket(prompt_len) + bucket(new_tokens),
+                cache_dtype=str(jnp.dtype(cfg.dtype)), filtered=False, return_logits=False,
+                mesh=mesh)
+    args = (state, arg((batch, bucket(prompt_len)), jnp.int32), arg((batch,), jnp.int32),
+            arg((), jnp.int32), arg((), jax.random.key(0).dtype), arg((), jnp.float32),
+            arg((), jnp.int32), arg((), jnp.float32), arg((), jnp.int32))
+    with compiling_for(mesh.devices.flat[0].platform):
+        lowered = generate_jit.lower(graphdef, *args, plan=plan)
+    return lowered.compile()
 
 
 def format_result(r: dict[str, Any]) -> str:
