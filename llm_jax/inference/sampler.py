@@ -91,7 +91,8 @@ def sample(
     eos_id: a sequence stops after producing it (it is included in the output).
     max_len: cache slots (default: the padded prompt length + max_new_tokens, rounded to buckets);
       prompt + max_new_tokens must fit. cache_dtype: default the compute dtype.
-    mesh: shard the cache by llm_jax.sharding's rules on this mesh.
+    mesh: trace under this mesh: the cache and the activations are sharded by
+      llm_jax.sharding's rules (the weights stay as given).
     stream(step, tokens [B], active [B]): called on the host as each step's tokens are drawn.
 
     Returns the new ids of each sequence (a list, or a list of lists for a batch); with
