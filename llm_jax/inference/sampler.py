@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from llm_jax.config import ModelConfig
 from llm_jax.inference.loop import Plan, StreamFn, bucket, generate_jit
 
 
@@ -68,6 +69,43 @@ def _check_args(prompts: list[list[int]], vocab: int, max_new_tokens: Any, tempe
         raise ValueError(f"eos_id={eos_id!r} is invalid: expected None or an id in [0, {vocab})")
 
 
+def program_inputs(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int,
+                   temperature: float, top_k: int, top_p: float, seed: int, eos_id: int | None,
+                   return_logits: bool, *, max_len: int | None, cache_dtype: str | None,
+                   mesh: Mesh | None) -> tuple[Plan, tuple[jax.Array, ...]]:
+    """The checked, padded inputs of `generate_jit` after the weights: (its static plan, its
+    array arguments). `sample` runs them; `aot.compile_generate` compiles them for a topology."""
+    _check_args(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id)
+    longest = max(len(p) for p in prompts)
+    needed = longest + int(max_new_tokens)
+    if max_len is None:
+        max_len = bucket(longest) + bucket(int(max_new_tokens))
+    elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+        raise ValueError(f"max_len={max_len!r} is invalid: expected a positive integer")
+    if needed > max_len:
+        i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+        raise ValueError(
+            f"prompt_ids[{i}] has {longest} tokens; with max_new_tokens={max_new_tokens} it needs "
+            f"{needed} cache slots, more than max_len={max_len}: shorten the prompt, lower "
+            f"max_new_tokens or raise max_len")
+    p_pad = min(bucket(longest), max_len)
+    tokens = np.zeros((len(prompts), p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    plan = Plan(
+        new_bucket=min(bucket(int(max_new_tokens)), max_len), max_len=int(max_len),
+        cache_dtype=str(jnp.dtype(cache_dtype or cfg.dtype)),
+        filtered=temperature > 0 and (top_k > 0 or top_p < 1),
+        return_logits=return_logits, mesh=mesh)
+    args = (jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new_tokens, jnp.int32),
+            jax.random.key(seed), jnp.asarray(temperature, jnp.float32),
+            jnp.asarray(min(int(top_k), cfg.vocab_size), jnp.int32),
+            jnp.asarray(top_p, jnp.float32),
+            jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))
+    return plan, args
+
+
 def sample(
     model: nnx.Module,
     prompt_ids: Any,
@@ -98,39 +136,12 @@ def sample(
     Returns the new ids of each sequence (a list, or a list of lists for a batch); with
     return_logits also the float32 logits each token was drawn from ([n, V] per sequence).
     """
-    cfg = model.cfg
     prompts, single = _as_prompts(prompt_ids)
-    _check_args(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id)
-    longest = max(len(p) for p in prompts)
-    needed = longest + int(max_new_tokens)
-    if max_len is None:
-        max_len = bucket(longest) + bucket(int(max_new_tokens))
-    elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
-        raise ValueError(f"max_len={max_len!r} is invalid: expected a positive integer")
-    if needed > max_len:
-        i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
-        raise ValueError(
-            f"prompt_ids[{i}] has {longest} tokens; with max_new_tokens={max_new_tokens} it needs "
-            f"{needed} cache slots, more than max_len={max_len}: shorten the prompt, lower "
-            f"max_new_tokens or raise max_len")
-    p_pad = min(bucket(longest), max_len)
-    tokens = np.zeros((len(prompts), p_pad), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    plan = Plan(
-        new_bucket=min(bucket(int(max_new_tokens)), max_len), max_len=int(max_len),
-        cache_dtype=str(jnp.dtype(cache_dtype or cfg.dtype)),
-        filtered=temperature > 0 and (top_k > 0 or top_p < 1),
-        return_logits=return_logits, mesh=mesh)
+    plan, args = program_inputs(model.cfg, prompts, max_new_tokens, temperature, top_k, top_p,
+                                seed, eos_id, return_logits, max_len=max_len,
+                                cache_dtype=cache_dtype, mesh=mesh)
     graphdef, state = nnx.split(model)
-    out, made, logits = generate_jit(
-        graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths),
-        jnp.asarray(max_new_tokens, jnp.int32), jax.random.key(seed),
-        jnp.asarray(temperature, jnp.float32),
-        jnp.asarray(min(int(top_k), cfg.vocab_size), jnp.int32),
-        jnp.asarray(top_p, jnp.float32),
-        jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32), plan=plan, emit=stream)
+    out, made, logits = generate_jit(graphdef, state, *args, plan=plan, emit=stream)
     out, made = np.asarray(out), np.asarray(made)
     logits = None if logits is None else np.asarray(logits)
     ids = [out[i, :made[i]].tolist() for i in range(len(prompts))]

@@ -142,31 +142,24 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
 
 def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int) -> Any:
     """The compiled program of `llm_jax.sample(model, prompts, mesh=mesh)` for `cfg` (greedy,
-    prompts of `prompt_len`, `new_tokens` new), lowered with abstract, replicated weights on
-    `mesh`'s devices, for their platform: does sharded generation compile for a TPU slice?"""
-    import jax.numpy as jnp
+    `batch` prompts of `prompt_len`, `new_tokens` new), lowered with abstract, replicated
+    weights on `mesh`'s devices, for their platform: does sharded generation compile there?"""
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from llm_jax.inference.loop import Plan, bucket, generate_jit
+    from llm_jax.inference.loop import generate_jit
+    from llm_jax.inference.sampler import program_inputs
     from llm_jax.kernels.select import compiling_for
     from llm_jax.model import abstract_model
 
+    plan, args = program_inputs(cfg, [[0] * prompt_len] * batch, new_tokens, 0.0, 0, 1.0, 0,
+                                None, False, max_len=None, cache_dtype=None, mesh=mesh)
     graphdef, state = nnx.split(abstract_model(cfg))
     rep = NamedSharding(mesh, PartitionSpec())
-
-    def arg(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-
-    state = jax.tree.map(lambda a: arg(a.shape, a.dtype), state)
-    plan = Plan(new_bucket=bucket(new_tokens), max_len=bucket(prompt_len) + bucket(new_tokens),
-                cache_dtype=str(jnp.dtype(cfg.dtype)), filtered=False, return_logits=False,
-                mesh=mesh)
-    args = (state, arg((batch, bucket(prompt_len)), jnp.int32), arg((batch,), jnp.int32),
-            arg((), jnp.int32), arg((), jax.random.key(0).dtype), arg((), jnp.float32),
-            arg((), jnp.int32), arg((), jnp.float32), arg((), jnp.int32))
+    state, args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                               (state, args))
     with compiling_for(mesh.devices.flat[0].platform):
-        lowered = generate_jit.lower(graphdef, *args, plan=plan)
+        lowered = generate_jit.lower(graphdef, state, *args, plan=plan)
     return lowered.compile()
 
 
