@@ -31,6 +31,13 @@ def machine() -> dict[str, Any]:
             "load_average": load_average(), "malloc": active_malloc()}
 
 
+def torch_info() -> dict[str, Any]:
+    """torch's version and thread count (what its contenders in spawned processes get too)."""
+    import torch
+
+    return {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
 def timed(fn: Callable[[], Any]) -> float:
     """Seconds one call takes; `fn` must block until its work is done."""
     t0 = time.perf_counter()

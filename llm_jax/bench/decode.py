@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm_jax.bench.common import Isolated, alternate, machine, median, table
-from llm_jax.bench.train import quick_model_config, tiny_run_config
+from llm_jax.bench.common import Isolated, alternate, machine, median, table, torch_info
+from llm_jax.bench.train import hf_model, quick_model_config, tiny_run_config
 from llm_jax.config import ModelConfig
 from llm_jax.inference.loop import prefill
 from llm_jax.inference.sampler import sample
@@ -46,7 +45,7 @@ def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1,
             j, h = row["llm_jax"], row["transformers"]
             row["decode_speedup"] = j["decode_tokens_per_s"] / h["decode_tokens_per_s"]
             row["prefill_speedup"] = h["prefill_s"] / j["prefill_s"]
-    return {"benchmark": "decode", "machine": machine(), **r}
+    return {"benchmark": "decode", "machine": {**machine(), **(torch_info() if hf else {})}, **r}
 
 
 def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), prompt_len: int = 128,
@@ -112,7 +111,7 @@ def _hf_contender(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: 
     forward with the cache) or its greedy `generate` of exactly `new_tokens` tokens."""
     import torch
 
-    hf_model = _hf_twin(init_model(cfg, seed))
+    hf = hf_model(cfg, seed).eval()
     ids = torch.from_numpy(prompts.astype(np.int64))
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               pad_token_id=0, eos_token_id=None)
@@ -120,25 +119,10 @@ def _hf_contender(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: 
     @torch.no_grad()
     def call():
         if what == "generate":
-            return hf_model.generate(ids, **kw)
-        return hf_model(ids, use_cache=True)
+            return hf.generate(ids, **kw)
+        return hf(ids, use_cache=True)
 
     return call
-
-
-def _hf_twin(model: nnx.Module):
-    """The same weights as a transformers GptOssForCausalLM (float32, eager), via save_hf."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-    import transformers
-
-    from llm_jax.weights.formats import save_hf
-
-    with tempfile.TemporaryDirectory() as d:
-        save_hf(model, d)
-        hf = transformers.GptOssForCausalLM.from_pretrained(
-            d, dtype=torch.float32, attn_implementation="eager")
-    return hf.eval()
 
 
 def format_result(r: dict[str, Any]) -> str:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llm_jax.bench.common import Isolated, alternate, machine, median, table
+from llm_jax.bench.common import Isolated, alternate, machine, median, table, torch_info
 from llm_jax.config import ModelConfig
 from llm_jax.model.costs import flops_per_token
 
@@ -180,10 +180,7 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
         peaks, peak_sources = measure_peaks(dtypes, quick=quick)
     else:
         peak_sources = {d: "given" for d in peaks}
-    torch_info = {}
-    if hf:
-        import torch
-        torch_info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    torch_versions = torch_info() if hf else {}
     rows = []
     for b, t in shapes:
         batch = random_batch(base.vocab_size, b, t)
@@ -221,7 +218,7 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
                 print(format_breakdown(row["llm_jax"]["profile"]), flush=True)
             rows.append(row)
             print(format_rows([row]), flush=True)
-    return {"benchmark": "train", "machine": {**machine(), **torch_info}, "repeats": repeats,
+    return {"benchmark": "train", "machine": {**machine(), **torch_versions}, "repeats": repeats,
             "model": base.to_dict(), "peak_flops": peaks, "peak_source": peak_sources,
             "rows": rows}
 
