@@ -2,6 +2,7 @@
 own tests are in tests/model/test_blockwise_attention.py)."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -36,6 +37,9 @@ EXPECTED = {
     "finetune": lambda r: [row["mode"] for row in r["rows"]] == ["full", "lora", "lora_attn"]
     and all(row["tokens_per_sec"] > 0 for row in r["rows"])
     and r["rows"][1]["optimizer_state_bytes"] < r["rows"][0]["optimizer_state_bytes"],
+    "stacks": lambda r: [s["python"] for s in r["stacks"]] == [sys.executable]
+    and all("jax " in s["versions"] and s["step_s"] > 0 and s["decode_tokens_per_s"] > 0
+            for s in r["stacks"]),
 }
 EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf"]}
 

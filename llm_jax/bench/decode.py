@@ -37,7 +37,7 @@ def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1,
         prompt_len: int = 128, new_tokens: int = 256, hf: bool = True) -> dict[str, Any]:
     cfg = ModelConfig.from_dict(tiny_run_config().model.to_dict())
     if quick:
-        cfg, batches, prompt_len, new_tokens, repeats = quick_model_config(), (1,), 8, 32, 3
+        cfg, batches, prompt_len, new_tokens, repeats = quick_model_config(), (1,), 8, 64, 3
     r = bench(cfg, batches=batches, prompt_len=prompt_len, new_tokens=new_tokens,
               repeats=repeats, hf=hf)
     for row in r["decode"]:

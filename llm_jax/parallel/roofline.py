@@ -51,12 +51,20 @@ def triton_kernels(stablehlo_text: str) -> dict[str, int]:
     return counts
 
 
+CUDA_TARGET = "NVIDIA H100"  # the GPU `triton_kernels_for_cuda` lowers for
+
+
 def triton_kernels_for_cuda(fn: Any, *args: Any) -> dict[str, int]:
     """The Triton kernels `fn(*args)` runs on an NVIDIA GPU, found on any host: Pallas emits the
     Triton IR itself when lowering for CUDA; only compiling it to PTX needs the device."""
     import jax
 
-    return triton_kernels(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    # The target GPU is named by an abstract device: jax >= 0.11's Triton lowering reads the
+    # compute capability from it when no GPU is attached (any Hopper-class kind would do).
+    gpu = jax.sharding.AbstractDevice(device_kind=CUDA_TARGET, num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=gpu)):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return triton_kernels(lowered.as_text())
 
 
 def kernel_families(counts: dict[str, int]) -> list[str]:

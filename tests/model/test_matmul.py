@@ -3,6 +3,7 @@ jnp.einsum itself; bfloat16 operands are rounded once from a float32 accumulatio
 backward, and on CPU a plain-layout product runs bfloat16 x bfloat16 -> float32 throughout."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -84,7 +85,7 @@ def _dots(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _dots(sub)
 
 
