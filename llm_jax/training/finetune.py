@@ -91,7 +91,7 @@ def initial_state(steps: Steps, tx: optax.GradientTransformation, init_from: str
         add_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora_targets(lora), seed=seed)
     sh = steps.state_sharding
     params = jax.device_put(nnx.state(model, nnx.Param), sh.params)
-    opt_init = jax.jit(lambda p: tx.init(p.filter(trainable(lora))), out_shardings=sh.opt_state)
+    opt_init = jax.jit(lambda p: tx.init(nnx.filter_state(p, trainable(lora))), out_shardings=sh.opt_state)
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), sh.step), params=params,
                       opt_state=opt_init(params))
 

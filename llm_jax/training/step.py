@@ -81,7 +81,7 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
     model = (model_fn or functools.partial(Transformer, cfg))(rngs=nnx.Rngs(params=seed))
     params = nnx.state(model, nnx.Param)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=tx.init(params.filter(trainable)))
+                      opt_state=tx.init(nnx.filter_state(params, trainable)))
 
 
 def target_mask(batch: Batch) -> jax.Array:
