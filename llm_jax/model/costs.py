@@ -88,6 +88,8 @@ RUN_FIELD_DOCS: dict[str, str] = {
     "data.files": "glob of local text files ('' = the standard library's .py files)",
     "data.data_dir": "where TFDS datasets are built",
     "data.validation_fraction": "share of local files held out for evaluation",
+    "data.document_bytes": "local text: documents cut near this size (0 = one per file)",
+    "data.on_bad_file": "local text: skip or refuse empty/unreadable/non-UTF-8 text",
     "data.seq_len": "training sequence length T: attention cost and activations grow with it",
     "data.shuffle_seed": "seed of the data order",
     "data.shuffle_buffer_tokens": "packed rows shuffled together (long documents spread out)",

@@ -126,7 +126,11 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     else:
         ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
 
-    # Process 0 builds the tokenizer (and a local TFDS build) in the workdir; the others read them.
+    # The MFU denominator, measured (if not cached) before the data pipeline's threads and the
+    # compiler start, so that they do not share the cores with it (runtime/peak.py).
+    peak, peak_source = ((tc.peak_flops, "train.peak_flops") if tc.peak_flops
+                         else peak_flops(mcfg.dtype))
+    # Process 0 builds the tokenizer (and a named TFDS dataset) in the workdir; the others read them.
     if not is_main:
         distributed.barrier("data")
     sft = bool(cfg.sft.files or cfg.sft.tfds_name)
@@ -177,14 +181,18 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     seq_len = cfg.data.seq_len
     tokens_per_step = tc.batch_size * seq_len
     flops_per_token = describe.flops_per_token(mcfg, seq_len, training=True)
-    peak, peak_source = ((tc.peak_flops, "train.peak_flops") if tc.peak_flops
-                         else peak_flops(mcfg.dtype))
     logging.info("model: %s params (%s active); %.3g train FLOPs/token; MFU peak %.3g FLOP/s "
                  "(%s; %s)", f"{describe.total_params(mcfg):,}",
                  f"{describe.active_params(mcfg):,}", flops_per_token, peak, mcfg.dtype,
                  peak_source)
     logging.info("kernels: %s", kernels_line(mcfg, tc.batch_size, seq_len))
     config_json = cfg.to_dict() | {"model": mcfg.to_dict()}  # init_from's config resolved
+    # The first shuffle window (data.shuffle_buffer_tokens) fills in the pipeline's thread while
+    # the train step compiles here, instead of one after the other before step 1.
+    data.train_iter.start_prefetch()
+    steps.train.lower(state, {k: jax.ShapeDtypeStruct((tc.batch_size, seq_len), dtype,
+                                                      sharding=steps.batch_sharding)
+                              for k, dtype in data.batch_dtypes.items()}).compile()
     proto = getattr(data.tokenizer, "_proto", None)
 
     def check_finite(step: int, finite: Any) -> None:
