@@ -27,7 +27,7 @@ class DataConfig:
     array_record_eval: str = ""  # the same for evaluation (needed with array_record_train)
     data_dir: str = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
     validation_fraction: float = 0.02  # local text: share of files (by path hash) held out
-    document_bytes: int = 1 << 15  # local text: cut longer files into documents near this size
+    document_bytes: int = 1 << 20  # local text: cut longer files into documents near this size
     on_bad_file: str = "skip"  # local text: empty, unreadable, binary, non-UTF-8: skip | error
     seq_len: int = 256
     shuffle_seed: int = 0

@@ -6,13 +6,16 @@ it, so memory, disk and time to the first step do not grow with the corpus (earl
 built a TFDS dataset first: a second copy of the corpus, and above ~1 GB TFDS's shuffler needed
 TensorFlow, which the project does not install).
 
-Documents. A file of at most `document_bytes` is one document. A longer one is cut near every
-`document_bytes` bytes, the way Hadoop splits text files: the nominal cut at byte c * N moves
-forward to just after the first blank line in the next N / 4 bytes, else the first line end,
-else the next UTF-8 character start. Both neighbours of a cut compute it from the same bytes,
-so the documents tile the file exactly (every byte in one document), each is found from the
-file's size alone, and none is much longer than N. `document_bytes=0` keeps one document per
-file, however large.
+Documents. A file of at most `document_bytes` (N, default 1 MiB) is one document. A longer one
+is cut near every N bytes, the way Hadoop splits text files: the nominal cut at byte c * N
+moves forward to just after the first blank line in the next min(N / 4, 64 KiB) bytes, else the
+first line end, else the next UTF-8 character start. Both neighbours of a cut compute it from
+the same bytes, so the documents tile the file exactly (every byte in one document), each is
+found from the file's size alone, and none is much longer than N. `document_bytes=0` keeps one
+document per file, however large. The default leaves every file of the standard library whole
+(the largest is ~750 KB), so the default run learns from the same documents as when each file
+was one; it is far longer than a training row (~1 KB at seq_len 256), so the cuts cost next to
+no context, and it bounds what one read holds in memory.
 
 Splits. A file goes to validation when the hash of its path (relative to the glob's root, so
 the split is the same on every machine) falls below `validation_fraction`; this keeps each
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 
 ON_BAD_FILE = ("skip", "error")
 _LISTED_BAD = 20  # bad files named one by one in the start-up warning; the rest are counted
+_MAX_SEARCH = 1 << 16  # bytes after a nominal cut searched for a line end
 
 # Directories of the standard library that are not its code (installed packages) or are too
 # large and odd to be useful text (the test suite: 20 MB, with deliberately broken encodings).
@@ -115,6 +119,11 @@ def cut_after(window: bytes) -> int:
     return next((i for i, b in enumerate(window) if b & 0xC0 != 0x80), len(window))
 
 
+def cut_search_bytes(document_bytes: int) -> int:
+    """How far past a nominal cut the boundary is looked for (module doc)."""
+    return min(document_bytes // 4, _MAX_SEARCH)
+
+
 def num_documents(size: int, document_bytes: int) -> int:
     """Documents in a file of `size` bytes: 1 for a whole file, else one per nominal cut."""
     return 1 if document_bytes == 0 or size <= document_bytes else -(-size // document_bytes)
@@ -125,7 +134,7 @@ def document_range(f, size: int, index: int, document_bytes: int) -> tuple[int, 
     if num_documents(size, document_bytes) == 1:
         f.seek(0)
         return 0, f.read()
-    search = document_bytes // 4
+    search = cut_search_bytes(document_bytes)
     lo = index * document_bytes
     hi = lo + document_bytes
     f.seek(lo)

@@ -29,7 +29,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.data.array_record_eval = ""  # the evaluation shards (needed with array_record_train)
     cfg.data.data_dir = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
     cfg.data.validation_fraction = 0.02  # local text: share of files (by path hash) held out
-    cfg.data.document_bytes = 1 << 15  # local text: longer files are cut into documents near this
+    cfg.data.document_bytes = 1 << 20  # local text: longer files are cut into documents near this
     cfg.data.on_bad_file = "skip"  # local text: "skip" (named in a warning) or "error"
     cfg.data.seq_len = 256
     cfg.data.shuffle_seed = 0

@@ -62,13 +62,14 @@ def test_whole_file_documents_hold_each_file_exactly(corpus_dir):
     assert sorted(docs) == sorted(expected)
 
 
-@pytest.mark.parametrize("document_bytes", [1024, 1500, 4096])
+@pytest.mark.parametrize("document_bytes", [1024, 1500, 4096, 1 << 18])
 def test_cut_documents_tile_each_file_exactly_at_text_boundaries(tmp_path, document_bytes):
     rng = np.random.default_rng(document_bytes)
     src = tmp_path / "src"
     src.mkdir()
     texts = {f"{i}.txt": _text_with_paragraphs(rng, int(rng.integers(10, 40_000)))
              for i in range(6)}
+    texts["big.txt"] = _text_with_paragraphs(rng, 3 * document_bytes + 123)
     texts["tiny.txt"] = "one line, no end"
     for name, text in texts.items():
         (src / name).write_text(text, encoding="utf-8")
@@ -83,11 +84,12 @@ def test_cut_documents_tile_each_file_exactly_at_text_boundaries(tmp_path, docum
             assert "".join(pieces) == texts[name]  # every byte once, in order
             size = len(texts[name].encode())
             assert len(pieces) == num_documents(size, document_bytes)
+            search = local_text.cut_search_bytes(document_bytes)
             for piece in pieces:  # none much longer than the cap
-                assert len(piece.encode()) <= document_bytes + document_bytes // 4
+                assert len(piece.encode()) <= document_bytes + search
             data = texts[name].encode()
             for c, piece in enumerate(pieces[:-1], 1):  # after a line end where there is one
-                window = data[c * document_bytes:c * document_bytes + document_bytes // 4]
+                window = data[c * document_bytes:c * document_bytes + search]
                 assert piece.endswith("\n") or b"\n" not in window
 
 
