@@ -14,8 +14,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from llm_jax import ModelConfig, Transformer, load_pretrained
-from llm_jax.weights import formats as cio
 from llm_jax.convert import main as convert_main
+from llm_jax.weights import formats as cio
 
 CFG = ModelConfig(
     num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=128, hidden_size=64,

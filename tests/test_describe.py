@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm_jax.model import costs as d
 from llm_jax.config import ModelConfig
-from llm_jax.model import abstract_model
+from llm_jax.model import abstract_model, costs as d
 from llm_jax.training.run_config import model_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -21,17 +21,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from llm_jax.weights import formats as cio  # noqa: E402
 from llm_jax.config import ModelConfig  # noqa: E402
-from llm_jax.model.costs import kv_cache_bytes, kv_cache_lengths  # noqa: E402
 from llm_jax.generate import main  # noqa: E402
 from llm_jax.inference import loop  # noqa: E402
 from llm_jax.inference.loop import bucket, generate_jit  # noqa: E402
 from llm_jax.inference.sampler import sample as generate  # noqa: E402
 from llm_jax.inference.sampling import greedy_tokens  # noqa: E402
 from llm_jax.model import init_model  # noqa: E402
+from llm_jax.model.costs import kv_cache_bytes, kv_cache_lengths  # noqa: E402
 from llm_jax.model.kv_cache import CACHE_AXES, cache_nbytes, cache_shardings, init_cache  # noqa: E402
 from llm_jax.parallel.sharding import logical_to_spec, make_mesh  # noqa: E402
+from llm_jax.weights import formats as cio  # noqa: E402
 
 TOL = 1e-4
 V = 512  # room for the CLI test's tokenizer
@@ -310,9 +310,9 @@ def test_bad_input_raises_value_error_naming_the_argument(model, kwargs, names):
 
 # ---------------------------------------------------------------------- CLI
 def test_cli_generates_from_an_llm_jax_checkpoint_with_its_tokenizer(model, tmp_path, capsys):
-    from llm_jax.data.tokenizer import Tokenizer
-
     import inspect
+
+    from llm_jax.data.tokenizer import Tokenizer
 
     tok = Tokenizer.train([inspect.getsource(json.decoder)], vocab_size=400)
     tok.save(str(tmp_path / "tokenizer.model"))

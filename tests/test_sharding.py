@@ -131,8 +131,7 @@ def test_optimizer_state_gets_the_param_shardings():
 def test_describe_lists_every_param_sharding_from_the_same_rules():
     from flax import nnx
 
-    from llm_jax.model import costs as describe
-    from llm_jax.model import abstract_model
+    from llm_jax.model import abstract_model, costs as describe
 
     mesh = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 4}
     rows = {r["param"]: r for r in describe.param_shardings(tiny_model(), mesh)}

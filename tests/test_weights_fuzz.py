@@ -160,8 +160,8 @@ def _cap_address_space() -> None:
 
 def run_cases(tmp: Path) -> dict[str, Any]:
     """The fuzz loop (in the subprocess): outcome counts and every failure, described."""
-    from llm_jax.weights import formats as cio
     from llm_jax import load_pretrained
+    from llm_jax.weights import formats as cio
 
     params = _bases(tmp / "bases")
     load_pretrained(tmp / "bases" / "hf")  # warm: JAX's threads and caches exist before the cap

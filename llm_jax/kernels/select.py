@@ -30,6 +30,7 @@ import contextvars
 from collections.abc import Iterator
 
 import jax
+
 # Imported with the model, never first during a trace: importing Pallas' TPU module adds a value
 # to JAX's trace context (jax 0.12), so a first import inside the first step's trace (splash is
 # imported late, below) made every jitted step miss its cache on the second call and compile

@@ -35,8 +35,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as sk,
+    splash_attention_mask as sm,
+)
 
 from llm_jax.parallel.sharding import RULES, logical_to_spec, spec_axes
 

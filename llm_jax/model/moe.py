@@ -24,6 +24,7 @@ from llm_jax.model.lora import adapted
 from llm_jax.model.moe_dispatch import ExpertWeights, Routing, select_dispatch
 from llm_jax.model.params import normal, param, zeros
 
+
 class MoEAux(NamedTuple):
     """Per-layer auxiliary outputs for training and monitoring."""
 

@@ -85,8 +85,8 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     from llm_jax.kernels.select import compiling_for, kernels_line
     from llm_jax.model import costs as describe
     from llm_jax.parallel import roofline
-    from llm_jax.training.run_config import model_config
     from llm_jax.parallel.sharding import MESH_AXES, make_mesh
+    from llm_jax.training.run_config import model_config
     from llm_jax.training.step import compile_steps
 
     cfg = model_config(run_cfg)

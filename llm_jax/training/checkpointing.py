@@ -36,10 +36,16 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from llm_jax.parallel import distributed
 from llm_jax.config import EXECUTION_FIELDS, ModelConfig
-from llm_jax.training.restore_check import (CORRUPT, RESTORED, RestoreError, incompatibility, judge,
-                                   stop_error)
+from llm_jax.parallel import distributed
+from llm_jax.training.restore_check import (
+    CORRUPT,
+    RESTORED,
+    RestoreError,
+    incompatibility,
+    judge,
+    stop_error,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"

@@ -41,6 +41,7 @@ from llm_jax.training.run_config import model_config, validate_run_config
 from llm_jax.training.step import Steps, compile_steps, make_optimizer
 from llm_jax.training.workdir_lock import hold_workdir
 
+
 def ensure_writable(workdir: str) -> None:
     """Creates the workdir and writes a file in it (a name of its own per process: every
     process of a multi-process run probes the same folder at once)."""

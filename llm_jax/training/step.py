@@ -22,11 +22,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from llm_jax.training import faults
 from llm_jax.config import ModelConfig
 from llm_jax.model import Transformer
-from llm_jax.parallel.sharding import (batch_sharding, check_divisible, logical_axes, replicated,
-                              state_shardings, with_mesh)
+from llm_jax.parallel.sharding import (
+    batch_sharding,
+    check_divisible,
+    logical_axes,
+    replicated,
+    state_shardings,
+    with_mesh,
+)
+from llm_jax.training import faults
 
 # Matrices get weight decay; norms, biases and sinks do not.
 DECAYED = frozenset({"embedding", "unembedding", "q_proj", "k_proj", "v_proj", "o_proj",

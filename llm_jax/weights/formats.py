@@ -39,8 +39,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from llm_jax.training.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.config import RMS_NORM_EPS, SWIGLU_ALPHA, ModelConfig
+from llm_jax.training.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.weights.json_fields import Fields, read_json_object
 from llm_jax.weights.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 

@@ -11,9 +11,17 @@ from flax import nnx
 
 from llm_jax.config import MOE_DISPATCHES, ModelConfig
 from llm_jax.model.moe import MoE, route, router_aux
-from llm_jax.model.moe_dispatch import (DISPATCHES, ExpertWeights, Routing, auto_dispatch,
-                                        capacity, moe_capacity, moe_dense, select_dispatch,
-                                        swiglu)
+from llm_jax.model.moe_dispatch import (
+    DISPATCHES,
+    ExpertWeights,
+    Routing,
+    auto_dispatch,
+    capacity,
+    moe_capacity,
+    moe_dense,
+    select_dispatch,
+    swiglu,
+)
 
 CFG = ModelConfig(hidden_size=32, intermediate_size=24, num_experts=8, experts_per_token=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,

@@ -28,7 +28,10 @@ from safetensors.torch import save_file  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
 from llm_jax.weights.formats import (  # noqa: E402
-    dequantize_mxfp4, hf_config_to_model_config, model_config_to_hf_config, save_hf,
+    dequantize_mxfp4,
+    hf_config_to_model_config,
+    model_config_to_hf_config,
+    save_hf,
 )
 
 TOL = 1e-4
