@@ -324,7 +324,7 @@ def kv_cache_table(cfg: ModelConfig, *, batch: int = 1) -> list[dict[str, Any]]:
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 MEMORY_ASSUMPTIONS = (
-    "weights (as the logical-axis rules of llm_jax.sharding): embed over fsdp (taken here as "
+    "weights (as the logical-axis rules of llm_jax.parallel.sharding): embed over fsdp (taken here as "
     "every parameter: the few embed-less biases and sinks are negligible); heads, kv heads, mlp "
     "and vocab over tensor; experts over expert (router, expert weights); ideal division",
     "grads in param dtype; Adam m and v in float32, sharded like the params",
@@ -343,7 +343,7 @@ MEMORY_ASSUMPTIONS = (
 def parse_mesh(spec: str, *, allow_fill: bool = False) -> dict[str, int]:
     """'data=2,fsdp=4' -> {'data': 2, 'fsdp': 4, 'tensor': 1, 'expert': 1}; '' = one device.
 
-    allow_fill: one size may be -1 (the rest of the devices; llm_jax.sharding.make_mesh)."""
+    allow_fill: one size may be -1 (the rest of the devices; llm_jax.parallel.sharding.make_mesh)."""
     mesh = dict.fromkeys(MESH_AXES, 1)
     seen = set()
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -416,7 +416,7 @@ def memory_per_device(
 
 
 def param_shardings(cfg: ModelConfig, mesh: dict[str, int]) -> list[dict[str, Any]]:
-    """Every parameter's logical axes, PartitionSpec (llm_jax.sharding.RULES) and per-device
+    """Every parameter's logical axes, PartitionSpec (llm_jax.parallel.sharding.RULES) and per-device
     shard shape on `mesh`; optimizer moments are laid out the same. Needs no devices."""
     import jax
     from flax import nnx

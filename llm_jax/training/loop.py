@@ -7,7 +7,7 @@ checkpoint, exactly: params, optimizer, step and data iterator are restored.
 
 Faults (docs/reliability.md): SIGTERM / SIGINT finish the step, save and exit (128 + signal);
 a second one exits at once. Interrupted saves are removed at start-up and corrupt checkpoints
-skipped (llm_jax.checkpointing). Each step returns an `isfinite` flag that the loop reads one
+skipped (llm_jax.training.checkpointing). Each step returns an `isfinite` flag that the loop reads one
 step late, so the host stays a step ahead of the device, and before every save: a non-finite
 loss or gradient stops the run naming the step, or with `train.skip_nonfinite_updates` the step
 left params and moments as they were and is counted.

@@ -14,7 +14,7 @@ leaves a collective the others are in. The value given to the sync point counts 
 (1, 2, ...) rather than being the training step: a notice that arrives before the first call (during
 start-up) sets the sync point to 1, which a resumed run starting at step 800 would otherwise never
 reach. Orbax's own calls, which would set the counter back, are switched off
-(llm_jax.checkpointing._Manager).
+(the manager of llm_jax.training.checkpointing.Checkpointer).
 """
 
 from __future__ import annotations

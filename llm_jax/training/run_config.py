@@ -58,7 +58,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     # last good checkpoint; True instead skips that update (params and moments kept) and counts
     # it in the metrics as skipped_updates (docs/reliability.md).
     cfg.train.skip_nonfinite_updates = False
-    cfg.train.inject_nan_at_step = -1  # fault injection (llm_jax.faults): NaN loss at step N
+    cfg.train.inject_nan_at_step = -1  # fault injection (llm_jax.training.faults): NaN loss at step N
     # Fine-tuning (docs/finetuning.md): any directory load_pretrained reads (HF, OpenAI original/,
     # llm_jax, a training workdir). Params and model config come from it; a resumed run restores
     # its own checkpoint instead.
@@ -79,7 +79,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.lora.alpha = 16.0
     cfg.lora.targets = "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj"
 
-    # Device mesh (llm_jax.sharding): sizes within a slice / node; one may be -1 (the rest).
+    # Device mesh (llm_jax.parallel.sharding): sizes within a slice / node; one may be -1 (the rest).
     # dcn_* multiply them across TPU slices or GPU nodes (the data-center network). See
     # docs/scaling.md for how to choose.
     cfg.mesh = ml_collections.ConfigDict()
@@ -92,7 +92,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.mesh.dcn_tensor = 1
     cfg.mesh.dcn_expert = 1
 
-    # Multi-process runs (llm_jax.distributed): "" / -1 = from the environment (JAX_COORDINATOR_
+    # Multi-process runs (llm_jax.parallel.distributed): "" / -1 = from the environment (JAX_COORDINATOR_
     # ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or TPU VM / SLURM detection); none = 1 process.
     cfg.distributed = ml_collections.ConfigDict()
     cfg.distributed.coordinator_address = ""  # host:port of process 0

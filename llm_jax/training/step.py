@@ -3,8 +3,9 @@
 Shapes: B global batch, A accumulation steps, M = B / A microbatch, T seq_len, V vocab,
 L layers, E experts.
 
-`train_step(state, batch) -> (state, metrics)` is a pure function; `jit_train_step` compiles it
-with explicit in/out shardings and a donated state, so the same step runs on one CPU or a mesh.
+`train_step(state, batch) -> (state, metrics)` is a pure function; `compile_steps` compiles it
+(and `eval_step`) with explicit in/out shardings and a donated state, so the same step runs on
+one CPU or a mesh.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ refused. Weights are filled into an abstract model (`nnx.eval_shape`), so nothin
 initialised.
 
 Hostile files (docs/reliability.md): every safetensors header is validated field by field before
-any tensor is read (llm_jax.safetensors_header), config.json fields are checked for type and
+any tensor is read (llm_jax.weights.safetensors_header), config.json fields are checked for type and
 range by name, and the shapes the config implies are compared with the headers before anything
 sized by the config is built or allocated. Every problem is a ValueError naming the file, the
 tensor or field, and what was expected; the tensors themselves are read by `safetensors`.
