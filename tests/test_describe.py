@@ -16,6 +16,7 @@ from flax import nnx
 
 from llm_jax.config import ModelConfig
 from llm_jax.model import abstract_model, costs as d
+from llm_jax.runtime.cli import check_overrides
 from llm_jax.training.run_config import model_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -199,8 +200,8 @@ def test_every_model_field_has_a_description():
 
 def test_unknown_override_is_named_with_the_known_fields():
     with pytest.raises(ValueError, match="config.model has no field 'num_expert'.*num_experts"):
-        d.check_overrides(run_config("tiny"), ["--config.model.num_expert=3"])
-    d.check_overrides(run_config("tiny"), ["--config.model.num_experts=3", "--json"])
+        check_overrides(run_config("tiny"), ["--config.model.num_expert=3"])
+    check_overrides(run_config("tiny"), ["--config.model.num_experts=3", "--json"])
 
 
 def cli(*args):

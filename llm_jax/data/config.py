@@ -11,6 +11,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+# What the SFT reader does with a malformed JSONL line (run config `sft.on_bad_line`).
+ON_BAD_LINE = ("skip", "stop")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:

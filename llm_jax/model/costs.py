@@ -13,10 +13,8 @@ per token, F intermediate, W sliding window, T sequence length, B batch (sequenc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from typing import Any
 
 import jax.numpy as jnp
@@ -25,6 +23,7 @@ import ml_collections
 from llm_jax.config import ModelConfig
 from llm_jax.kernels.select import kernels_line
 from llm_jax.model.moe_dispatch import capacity
+from llm_jax.runtime.cli import fail, parse_flags
 
 # ---------------------------------------------------------------------------------------------
 # What each number controls.
@@ -606,48 +605,6 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _load_run_config(path: str) -> ml_collections.ConfigDict:
-    spec = importlib.util.spec_from_file_location("_describe_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
-def check_overrides(run_cfg: ml_collections.ConfigDict, argv: list[str]) -> None:
-    """Raises ValueError naming the first `--config.A.B=V` whose field `run_cfg` lacks."""
-    for arg in argv:
-        if not arg.startswith("--config."):
-            continue
-        path = arg[len("--config."):].partition("=")[0].split(".")
-        node, done = run_cfg, []
-        for key in path:
-            if not isinstance(node, ml_collections.ConfigDict) or key not in node:
-                where = ".".join(["config", *done])
-                known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-                raise ValueError(f"--config.{'.'.join(path)}: {where} has no field {key!r}; "
-                                 f"known fields are {known}")
-            node, done = node[key], [*done, key]
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, but an unknown `--config.FIELD` is an error naming it, not a traceback."""
-    from absl import app
-
-    try:
-        return app.parse_flags_with_usage(argv)
-    except (KeyError, AttributeError) as e:  # config_flags met an override of a missing field
-        message = f"a --config.FIELD override names no field of the config ({e})"
-        paths = [a.partition("=")[2] or b for a, b in zip(argv, argv[1:] + [""])
-                 if a == "--config" or a.startswith("--config=")]
-        try:
-            if paths:
-                check_overrides(_load_run_config(paths[0]), argv)
-        except ValueError as bad:
-            message = str(bad)
-        print(f"llm_jax.describe: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: list[str]) -> None:
     from absl import flags
 
@@ -657,8 +614,7 @@ def main(argv: list[str]) -> None:
         mesh = parse_mesh(FLAGS.mesh)
         report = describe(FLAGS.config, seq_len=FLAGS.seq_len, batch=FLAGS.batch, mesh=mesh)
     except ValueError as e:
-        print(f"llm_jax.describe: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail("llm_jax.describe", e)
     if FLAGS.shardings:
         report["shardings"] = param_shardings(ModelConfig.from_dict(FLAGS.config.model.to_dict()),
                                               mesh)
@@ -680,4 +636,4 @@ def cli() -> None:
     flags.DEFINE_bool("shardings", False, "also list every parameter's logical axes, "
                       "PartitionSpec and per-device shard shape on --mesh")
     flags.mark_flag_as_required("config")
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=parse_flags("llm_jax.describe"))

@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import ml_collections
 
+from llm_jax.runtime.cli import fail, parse_flags
+
 # Per-chip HBM (bytes), by jax device_kind. Cloud TPU specs: v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
 # v6e 32 GiB.
 HBM_BYTES = {"TPU v4": 32 * 2**30, "TPU v5 lite": 16 * 2**30, "TPU v5": 95 * 2**30,
@@ -222,8 +224,7 @@ def main(argv: list[str]) -> None:
         result = compile_train_step(FLAGS.config, devices, mesh=mesh, dcn=dcn, batch=FLAGS.batch,
                                     seq_len=FLAGS.seq_len)
     except (ValueError, RuntimeError) as e:
-        print(f"llm_jax.compile: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail("llm_jax.compile", e)
     print(json.dumps(result, indent=2) if FLAGS.json else format_result(result))
 
 
@@ -261,4 +262,4 @@ def cli() -> None:
 
     _define_flags()
     _cpu_devices_from_argv(sys.argv)
-    app.run(main)
+    app.run(main, flags_parser=parse_flags("llm_jax.compile"))

@@ -16,7 +16,6 @@ expert-parallel MoE, does so in `jax.shard_map` instead.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -126,10 +125,6 @@ def mesh_from_config(mesh_cfg: Any, devices: Sequence[Any] | None = None) -> Mes
     ici = {a: d.get(a, 1) for a in MESH_AXES}
     dcn = {a: d.get(f"dcn_{a}", 1) for a in MESH_AXES}
     return make_mesh(ici, devices, dcn_sizes=dcn if any(v != 1 for v in dcn.values()) else None)
-
-
-def mesh_shape(mesh: Mesh | jax.sharding.AbstractMesh) -> dict[str, int]:
-    return dict(mesh.shape)
 
 
 # ------------------------------------------------------------------------ logical -> mesh
@@ -257,9 +252,3 @@ def with_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
 
     return wrapped
 
-
-@contextlib.contextmanager
-def no_mesh():
-    """A context with no mesh (for code that must run the single-device path)."""
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-        yield

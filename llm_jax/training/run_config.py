@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from llm_jax.config import ModelConfig
+from llm_jax.data.config import ON_BAD_LINE
 
 
 def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDict:
@@ -115,6 +116,10 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     return cfg
 
 
+_CHOICES = {  # (section, field): the values allowed
+    ("sft", "on_bad_line"): ON_BAD_LINE,
+}
+
 _MIN = {  # (section, field): smallest allowed value
     ("train", "num_steps"): 0, ("train", "batch_size"): 1, ("train", "grad_accum_steps"): 1,
     ("train", "warmup_steps"): 0, ("train", "log_every_steps"): 1, ("train", "eval_every_steps"): 0,
@@ -161,6 +166,10 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
         if cfg[section][key] < low:
             raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
                              f"expected >= {low}")
+    for (section, key), allowed in _CHOICES.items():
+        if cfg[section][key] not in allowed:
+            raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
+                             f"expected one of {list(allowed)}")
     tc = cfg.train
     if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
         raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "
