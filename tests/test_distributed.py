@@ -87,8 +87,8 @@ def worker_train(workdir: str, mesh_json: str) -> None:
     import jax
     from test_sharding import batches
 
-    from llm_jax.training.checkpointing import Checkpointer
     from llm_jax.training.step import compile_steps
+    from llm_jax.weights.checkpointing import Checkpointer
 
     cfg, tc, mesh = _setup(json.loads(mesh_json))
     steps = compile_steps(cfg, tc, mesh, seed=0)
@@ -119,8 +119,8 @@ def worker_restore(workdir: str, target: str, ref_npz: str) -> None:
     import jax
 
     from llm_jax.parallel import sharding as sh
-    from llm_jax.training.checkpointing import Checkpointer
     from llm_jax.training.step import compile_steps
+    from llm_jax.weights.checkpointing import Checkpointer
 
     spec = {"mesh": {}, "dcn": {}} if target == "one_device" else SINGLE
     cfg, tc, _ = _setup(spec)

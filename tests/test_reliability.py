@@ -25,11 +25,11 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.parallel.sharding import make_mesh
 from llm_jax.training import step as train_step
-from llm_jax.training.checkpointing import MANIFEST, Checkpointer, restore_params, tmp_leftovers
 from llm_jax.training.loop import train
-from llm_jax.training.restore_check import RestoreError
 from llm_jax.training.run_config import default_run_config, model_config, validate_run_config
 from llm_jax.training.step import compile_steps
+from llm_jax.weights.checkpointing import MANIFEST, Checkpointer, restore_params, tmp_leftovers
+from llm_jax.weights.restore_check import RestoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_STEPS, EVERY = 24, 4

@@ -40,7 +40,7 @@ from flax import nnx
 from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.config import ModelConfig
 from llm_jax.model import attention as attention_module
-from llm_jax.model.attention import attend, attention_mask
+from llm_jax.model.attention_math import attend, attention_mask
 from llm_jax.model.blockwise_attention import (
     DEFAULT_BLOCK,
     DEFAULT_Q_BLOCK,

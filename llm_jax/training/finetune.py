@@ -22,8 +22,8 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.model.transformer import Transformer
-from llm_jax.training.checkpointing import Checkpointer
 from llm_jax.training.step import ModelFn, Steps, TrainState
+from llm_jax.weights.checkpointing import Checkpointer
 from llm_jax.weights.formats import FORMATS, OVERRIDABLE_FIELDS, detect_format, load_pretrained
 
 

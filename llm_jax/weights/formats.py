@@ -40,7 +40,8 @@ import numpy as np
 from flax import nnx
 
 from llm_jax.config import RMS_NORM_EPS, SWIGLU_ALPHA, ModelConfig
-from llm_jax.training.checkpointing import Checkpointer, find_training_checkpoint, restore_params
+from llm_jax.model import abstract_model
+from llm_jax.weights.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.weights.json_fields import Fields, read_json_object
 from llm_jax.weights.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 
@@ -754,7 +755,6 @@ def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
 
 
 def _abstract_targets(cfg: ModelConfig) -> tuple[nnx.Module, dict[str, jax.ShapeDtypeStruct]]:
-    from llm_jax.model import abstract_model
     model = abstract_model(cfg)
     targets = {".".join(str(p) for p in path): v.get_value()
                for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}

@@ -14,7 +14,7 @@ background thread); before a step is restored it is checked against it, and a st
 (a truncated, zeroed or missing file) is named with the file, moved to
 WORKDIR/corrupt_checkpoints/ and the previous one is used instead. A step without the manifest
 (killed between the save and the manifest) is restored unverified, with a warning; one that then
-fails with a read error is treated as corrupt too. Any other failure (llm_jax.training.restore_check: a
+fails with a read error is treated as corrupt too. Any other failure (llm_jax.weights.restore_check: a
 changed train state tree, memory, a bug) raises `RestoreError` and moves nothing, and a workdir
 left with quarantined steps and none that restores is not trained again from step 0 unless
 `checkpoint.allow_fresh_start` says so.
@@ -35,10 +35,12 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from flax import nnx
 
 from llm_jax.config import EXECUTION_FIELDS, ModelConfig
+from llm_jax.model import abstract_model
 from llm_jax.parallel import distributed
-from llm_jax.training.restore_check import (
+from llm_jax.weights.restore_check import (
     CORRUPT,
     RESTORED,
     RestoreError,
@@ -412,10 +414,6 @@ def check_same_model(saved_config: dict[str, Any], cfg: ModelConfig, directory: 
 def restore_params(workdir: str, step: int | None = None):
     """(ModelConfig, params State, tokenizer proto or None) of a training workdir's checkpoint:
     `step`, or the newest one that passes its checksums and restores (others are reported)."""
-    from flax import nnx
-
-    from llm_jax.model import abstract_model
-
     ckpt = Checkpointer(workdir, create=False, async_save=False)
 
     def restore(s: int):
