@@ -93,7 +93,7 @@ def hf_model(cfg: ModelConfig, seed: int = 0):
     import transformers
 
     from llm_jax.model import init_model
-    from llm_jax.weights.formats import save_hf
+    from llm_jax.weights.writers import save_hf
 
     with tempfile.TemporaryDirectory() as d:
         save_hf(init_model(cfg.replace(dtype="float32", param_dtype="float32"), seed), d)

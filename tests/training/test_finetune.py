@@ -36,7 +36,7 @@ from llm_jax.training.loop import train  # noqa: E402
 from llm_jax.training.metrics import read_metrics  # noqa: E402
 from llm_jax.training.step import eval_step, loss_fn, target_mask  # noqa: E402
 from llm_jax.weights.adapters import merge_lora, save_adapters  # noqa: E402
-from llm_jax.weights.formats import save_hf  # noqa: E402
+from llm_jax.weights.writers import save_hf  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SPECIAL = ["<|start|>", "<|message|>", "<|end|>"]
