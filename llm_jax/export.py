@@ -20,7 +20,7 @@ from llm_jax.convert import check_destination, write_atomically
 from llm_jax.data.hf_tokenizer import TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILE, tokenizer_dir
 from llm_jax.training.finetune import restore_finetuned
 from llm_jax.weights.adapters import merge_lora, save_adapters
-from llm_jax.weights.formats import save_hf
+from llm_jax.weights.writers import save_hf
 
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, TEMPLATE_FILE, "special_tokens_map.json",
                    "generation_config.json")

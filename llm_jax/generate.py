@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not args.checkpoint:
             raise ValueError("--checkpoint is required")
-        from llm_jax.weights.formats import load_pretrained
+        from llm_jax.weights.readers import load_pretrained  # after the flags: start-up cost
 
         model = load_pretrained(args.checkpoint, dtype=args.dtype)
         tok = find_tokenizer(args.checkpoint)

@@ -14,8 +14,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from llm_jax import ModelConfig, Transformer, load_pretrained
-from llm_jax.weights import formats as cio
 from llm_jax.convert import main as convert_main
+from llm_jax.weights import configs, flat, layouts, readers, tensor_store, writers
 
 CFG = ModelConfig(
     num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=128, hidden_size=64,
@@ -25,14 +25,14 @@ CFG = ModelConfig(
 
 
 def random_model(cfg: ModelConfig = CFG, seed: int = 0) -> Transformer:
-    _, targets = cio._abstract_targets(cfg)
+    _, targets = flat.abstract_targets(cfg)
     rng = np.random.default_rng(seed)
-    return cio.model_from_params(
+    return flat.model_from_params(
         cfg, {k: rng.normal(size=t.shape).astype(t.dtype) for k, t in targets.items()})
 
 
 def assert_same_params(a, b) -> None:
-    pa, pb = cio.flat_params(a), cio.flat_params(b)
+    pa, pb = flat.flat_params(a), flat.flat_params(b)
     assert sorted(pa) == sorted(pb)
     for k in pa:
         assert pa[k].dtype == pb[k].dtype, k
@@ -46,7 +46,7 @@ def model() -> Transformer:
 
 @pytest.fixture
 def hf_dir(model, tmp_path) -> Path:
-    return cio.save_hf(model, tmp_path / "hf")
+    return writers.save_hf(model, tmp_path / "hf")
 
 
 # ---------------------------------------------------------------------- round trips
@@ -54,7 +54,7 @@ def hf_dir(model, tmp_path) -> Path:
 def test_llm_jax_checkpoint_round_trip_is_bitwise(param_dtype, tmp_path):
     cfg = CFG.replace(param_dtype=param_dtype, dtype=param_dtype, moe_dispatch="dense")
     m = random_model(cfg)
-    cio.save_llm_jax(m, tmp_path)
+    writers.save_llm_jax(m, tmp_path)
     back = load_pretrained(tmp_path)
     assert back.cfg == cfg
     assert_same_params(m, back)
@@ -66,19 +66,19 @@ def test_hf_and_openai_round_trips_are_bitwise(writer, param_dtype, tmp_path):
     cfg = CFG.replace(param_dtype=param_dtype, dtype=param_dtype)
     m = random_model(cfg)
     if writer == "openai":
-        cio.save_openai(m, tmp_path)
+        writers.save_openai(m, tmp_path)
     else:
-        cio.save_hf(m, tmp_path, max_shard_bytes=20_000 if writer == "hf_sharded" else 2**40)
+        writers.save_hf(m, tmp_path, max_shard_bytes=20_000 if writer == "hf_sharded" else 2**40)
     if writer == "hf_sharded":
-        assert (tmp_path / cio.HF_INDEX).is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
+        assert (tmp_path / layouts.HF_INDEX).is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
     back = load_pretrained(tmp_path)
     assert back.cfg == cfg
     assert_same_params(m, back)
 
 
 def test_openai_dir_under_original_is_found(model, tmp_path):
-    cio.save_openai(model, tmp_path / "original")
-    assert cio.detect_format(tmp_path) == ("openai", tmp_path / "original")
+    writers.save_openai(model, tmp_path / "original")
+    assert readers.detect_format(tmp_path) == ("openai", tmp_path / "original")
     assert_same_params(model, load_pretrained(tmp_path))
 
 
@@ -92,17 +92,17 @@ def test_dtype_argument_casts_weights_and_compute(hf_dir):
 # ---------------------------------------------------------------------- config mapping
 def test_hf_config_round_trip_preserves_the_architecture():
     for cfg in (CFG, CFG.replace(sliding_window=0, rope_scaling_factor=1.0)):
-        hf = cio.model_config_to_hf_config(cfg)
+        hf = configs.model_config_to_hf_config(cfg)
         assert hf["num_local_experts"] == cfg.num_experts
-        assert cio.hf_config_to_model_config(hf) == cfg
+        assert configs.hf_config_to_model_config(hf) == cfg
 
 
 def test_hf_config_accepts_legacy_rope_scaling_and_top_level_rope_theta():
-    hf = cio.model_config_to_hf_config(CFG)
+    hf = configs.model_config_to_hf_config(CFG)
     rope = hf.pop("rope_parameters")
     hf["rope_theta"] = rope.pop("rope_theta")
     hf["rope_scaling"] = rope
-    assert cio.hf_config_to_model_config(hf) == CFG
+    assert configs.hf_config_to_model_config(hf) == CFG
 
 
 @pytest.mark.parametrize("key, value, expect", [
@@ -117,26 +117,26 @@ def test_hf_config_accepts_legacy_rope_scaling_and_top_level_rope_theta():
     ("quantization_config", {"quant_method": "gptq"}, "quant_method='gptq'"),
 ])
 def test_unsupported_hf_config_is_refused_by_name(key, value, expect):
-    hf = cio.model_config_to_hf_config(CFG)
+    hf = configs.model_config_to_hf_config(CFG)
     if key.startswith("rope_parameters."):
         hf["rope_parameters"][key.split(".")[1]] = value
     else:
         hf[key] = value
     with pytest.raises(ValueError, match="unsupported Hugging Face") as e:
-        cio.hf_config_to_model_config(hf)
+        configs.hf_config_to_model_config(hf)
     assert expect in str(e.value)
 
 
 def test_hf_yarn_without_truncate_key_is_refused_because_hf_would_truncate():
-    hf = cio.model_config_to_hf_config(CFG)
+    hf = configs.model_config_to_hf_config(CFG)
     del hf["rope_parameters"]["truncate"]
     with pytest.raises(ValueError, match="truncate=True"):
-        cio.hf_config_to_model_config(hf)
+        configs.hf_config_to_model_config(hf)
 
 
 def test_export_refuses_a_norm_gpt_oss_does_not_have():
     with pytest.raises(ValueError, match="prms_fraction"):
-        cio.model_config_to_hf_config(CFG.replace(prms_fraction=0.25))
+        configs.model_config_to_hf_config(CFG.replace(prms_fraction=0.25))
 
 
 # ---------------------------------------------------------------------- bad inputs
@@ -156,7 +156,7 @@ def test_path_that_is_no_directory_is_refused(tmp_path):
 
 
 def test_pickle_only_directory_is_refused_without_unpickling(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(cio.model_config_to_hf_config(CFG)))
+    (tmp_path / "config.json").write_text(json.dumps(configs.model_config_to_hf_config(CFG)))
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04 not really a pickle")
     with pytest.raises(ValueError, match="never unpickles") as e:
         load_pretrained(tmp_path)
@@ -164,7 +164,7 @@ def test_pickle_only_directory_is_refused_without_unpickling(tmp_path):
 
 
 def _rewrite(path: Path, edit) -> None:
-    store = cio.TensorStore([path])
+    store = tensor_store.TensorStore([path])
     tensors = {k: np.array(store.get(k)) for k in store.names()}
     del store
     edit(tensors)
@@ -173,7 +173,7 @@ def _rewrite(path: Path, edit) -> None:
 
 def test_missing_tensor_is_named(hf_dir):
     name = "model.layers.1.self_attn.sinks"
-    _rewrite(hf_dir / cio.HF_WEIGHTS, lambda t: t.pop(name))
+    _rewrite(hf_dir / layouts.HF_WEIGHTS, lambda t: t.pop(name))
     with pytest.raises(ValueError, match="missing tensor") as e:
         load_pretrained(hf_dir)
     assert repr(name) in str(e.value)
@@ -184,7 +184,7 @@ def test_misshapen_tensor_is_named_with_expected_and_actual_shape(hf_dir):
 
     def edit(t):
         t[name] = t[name][:, :-1]
-    _rewrite(hf_dir / cio.HF_WEIGHTS, edit)
+    _rewrite(hf_dir / layouts.HF_WEIGHTS, edit)
     with pytest.raises(ValueError) as e:
         load_pretrained(hf_dir)
     msg = str(e.value)
@@ -194,17 +194,17 @@ def test_misshapen_tensor_is_named_with_expected_and_actual_shape(hf_dir):
 def test_unexpected_tensor_is_named(hf_dir):
     def edit(t):
         t["lm_head.bias"] = np.zeros(CFG.vocab_size, np.float32)
-    _rewrite(hf_dir / cio.HF_WEIGHTS, edit)
+    _rewrite(hf_dir / layouts.HF_WEIGHTS, edit)
     with pytest.raises(ValueError, match="lm_head.bias"):
         load_pretrained(hf_dir)
 
 
 def test_misshapen_llm_jax_param_is_named(model, tmp_path):
-    cio.save_llm_jax(model, tmp_path)
+    writers.save_llm_jax(model, tmp_path)
 
     def edit(t):
         t["layers.attn.q_bias"] = t["layers.attn.q_bias"][:1]
-    _rewrite(tmp_path / cio.LLM_JAX_PARAMS, edit)
+    _rewrite(tmp_path / layouts.LLM_JAX_PARAMS, edit)
     want = r"'layers.attn.q_bias'.*\(1, 4, 16\).*expected \(2, 4, 16\)"
     with pytest.raises(ValueError, match=want):
         load_pretrained(tmp_path)
@@ -228,7 +228,7 @@ def test_architecture_fields_cannot_be_overridden_at_load(hf_dir):
     (np.float32, 2, r"'block.0.mlp.mlp1_weight.blocks'.*float32, expected uint8"),
 ])
 def test_malformed_mxfp4_is_named(blocks_dtype, groups, want, tmp_path, model):
-    cio.save_openai(model, tmp_path)
+    writers.save_openai(model, tmp_path)
     name = "block.0.mlp.mlp1_weight"
 
     def edit(t):
@@ -242,9 +242,9 @@ def test_malformed_mxfp4_is_named(blocks_dtype, groups, want, tmp_path, model):
 
 # ---------------------------------------------------------------------- convert CLI
 def test_convert_to_hf_and_back_is_bitwise(model, tmp_path):
-    src = cio.save_llm_jax(model, tmp_path / "src")
+    src = writers.save_llm_jax(model, tmp_path / "src")
     assert convert_main(["--src", str(src), "--dst", str(tmp_path / "hf"), "--to", "hf"]) == 0
-    assert cio.detect_format(tmp_path / "hf")[0] == "hf"
+    assert readers.detect_format(tmp_path / "hf")[0] == "hf"
     assert convert_main(["--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "back"),
                          "--to", "llm_jax"]) == 0
     back = load_pretrained(tmp_path / "back")
@@ -254,14 +254,14 @@ def test_convert_to_hf_and_back_is_bitwise(model, tmp_path):
 
 
 def test_convert_refuses_non_empty_dst_unless_overwrite(model, tmp_path, capsys):
-    src = cio.save_llm_jax(model, tmp_path / "src")
+    src = writers.save_llm_jax(model, tmp_path / "src")
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("precious")
     assert convert_main(["--src", str(src), "--dst", str(dst), "--to", "hf"]) == 1
     assert "not empty" in capsys.readouterr().err and (dst / "keep.txt").read_text() == "precious"
     assert convert_main(["--src", str(src), "--dst", str(dst), "--to", "hf", "--overwrite"]) == 0
-    assert not (dst / "keep.txt").exists() and cio.detect_format(dst)[0] == "hf"
+    assert not (dst / "keep.txt").exists() and readers.detect_format(dst)[0] == "hf"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
 
 
@@ -277,7 +277,7 @@ def test_failed_convert_leaves_dst_untouched(tmp_path):
 
 
 def test_convert_runs_as_a_module(model, tmp_path):
-    src = cio.save_llm_jax(model, tmp_path / "src")
+    src = writers.save_llm_jax(model, tmp_path / "src")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "llm_jax.convert", "--src", str(src), "--dst",
                         str(tmp_path / "oa"), "--to", "openai", "--dtype", "bfloat16"],
@@ -296,7 +296,7 @@ def test_convert_that_fails_while_writing_loses_nothing(model, tmp_path, monkeyp
         raise RuntimeError("disk full")
 
     monkeypatch.setitem(convert_mod.WRITERS, "hf", broken_writer)
-    src = cio.save_llm_jax(model, tmp_path / "src")
+    src = writers.save_llm_jax(model, tmp_path / "src")
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("precious")
@@ -329,7 +329,7 @@ def _write_raw(path: Path, header, data: bytes, *, length: int | None = None) ->
 
 def _edit_header(edit):
     def apply(root: Path) -> Path:
-        path = root / cio.HF_WEIGHTS
+        path = root / layouts.HF_WEIGHTS
         header, data = _raw(path)
         out = edit(header, data)
         _write_raw(path, *(out if isinstance(out, tuple) else (header, data)))
@@ -376,10 +376,10 @@ HOSTILE = {  # name: (edit of an HF dir -> the file it broke, what the error mus
         data_offsets=h[EMBED]["data_offsets"], shape=h[EMBED]["shape"], dtype="F32")),
         "overlap"),
     "header length past the file": (lambda root: (_write_raw(
-        root / cio.HF_WEIGHTS, *_raw(root / cio.HF_WEIGHTS), length=2**40),
-        root / cio.HF_WEIGHTS)[1], "header length 1099511627776 is invalid"),
-    "shorter than 8 bytes": (lambda root: ((root / cio.HF_WEIGHTS).write_bytes(b"\x01\x02"),
-                                           root / cio.HF_WEIGHTS)[1], "shorter than the 8-byte"),
+        root / layouts.HF_WEIGHTS, *_raw(root / layouts.HF_WEIGHTS), length=2**40),
+        root / layouts.HF_WEIGHTS)[1], "header length 1099511627776 is invalid"),
+    "shorter than 8 bytes": (lambda root: ((root / layouts.HF_WEIGHTS).write_bytes(b"\x01\x02"),
+                                           root / layouts.HF_WEIGHTS)[1], "shorter than the 8-byte"),
     "header not JSON": (_edit_header(lambda h, d: (b"{not json" + b" " * 40, d)),
                         "header is not JSON"),
     "duplicate tensor name": (_edit_header(lambda h, d: (json.dumps(h).replace(
@@ -426,7 +426,7 @@ HOSTILE = {  # name: (edit of an HF dir -> the file it broke, what the error mus
 def test_hostile_hf_directory_is_refused_naming_file_and_field(case, model, tmp_path):
     import tracemalloc
 
-    root = cio.save_hf(model, tmp_path / "hf")
+    root = writers.save_hf(model, tmp_path / "hf")
     edit, want = HOSTILE[case]
     broken = edit(root)
     tracemalloc.start()
@@ -441,7 +441,7 @@ def test_hostile_hf_directory_is_refused_naming_file_and_field(case, model, tmp_
 
 
 def _sharded(model, root: Path) -> Path:
-    return cio.save_hf(model, root, max_shard_bytes=20_000)
+    return writers.save_hf(model, root, max_shard_bytes=20_000)
 
 
 @pytest.mark.parametrize("edit, want", [
@@ -454,23 +454,23 @@ def _sharded(model, root: Path) -> Path:
 ])
 def test_hostile_shard_index_is_refused_by_name(edit, want, model, tmp_path):
     root = _sharded(model, tmp_path / "hf")
-    index = json.loads((root / cio.HF_INDEX).read_text())
+    index = json.loads((root / layouts.HF_INDEX).read_text())
     edit(index)
-    (root / cio.HF_INDEX).write_text(json.dumps(index))
+    (root / layouts.HF_INDEX).write_text(json.dumps(index))
     with pytest.raises(ValueError, match=want) as e:
         load_pretrained(root)
-    assert str(root / cio.HF_INDEX) in str(e.value)
+    assert str(root / layouts.HF_INDEX) in str(e.value)
 
 
 def test_hostile_openai_and_llm_jax_configs_are_refused_by_name(model, tmp_path):
-    cio.save_openai(model, tmp_path / "oa" / "original")
+    writers.save_openai(model, tmp_path / "oa" / "original")
     path = tmp_path / "oa" / "original" / "config.json"
     cfg = json.loads(path.read_text())
     path.write_text(json.dumps({**cfg, "num_experts": "8"}))
     with pytest.raises(ValueError, match=f"{path}: field num_experts='8' is invalid"):
         load_pretrained(tmp_path / "oa")
-    cio.save_llm_jax(model, tmp_path / "lj")
-    path = tmp_path / "lj" / cio.LLM_JAX_CONFIG
+    writers.save_llm_jax(model, tmp_path / "lj")
+    path = tmp_path / "lj" / layouts.LLM_JAX_CONFIG
     meta = json.loads(path.read_text())
     for model_field, want in [({**meta["model"], "vocab_size": -1}, "field vocab_size=-1"),
                               ({**meta["model"], "num_hidden_layers": 10**6},

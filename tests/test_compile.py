@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from llm_jax.parallel import aot
+from llm_jax.training import aot
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config.model.num_hidden_layers=2", "--config.model.num_experts=8",
@@ -83,7 +83,7 @@ def test_sharded_generation_compiles_for_a_tpu_topology():
     code = """
 import json
 from llm_jax.config import ModelConfig
-from llm_jax.parallel import aot
+from llm_jax.training import aot
 from llm_jax.parallel.sharding import make_mesh
 cfg = ModelConfig(num_hidden_layers=2, num_experts=8, hidden_size=64, intermediate_size=64,
                   head_dim=16, vocab_size=256)

@@ -72,8 +72,9 @@ def test_multi_process_checkpoint_restores_on_another_mesh(runs, target):
 
 
 def _setup(mesh_spec):
-    from llm_jax.parallel import sharding as sh
     from test_sharding import tiny_model, tiny_train
+
+    from llm_jax.parallel import sharding as sh
 
     mesh = sh.make_mesh(mesh_spec["mesh"], dcn_sizes=mesh_spec["dcn"] or None)
     return tiny_model(moe_dispatch="expert_parallel"), tiny_train(), mesh
@@ -84,10 +85,10 @@ def worker_train(workdir: str, mesh_json: str) -> None:
 
     info = distributed.initialize()  # from the launcher's environment
     import jax
-
-    from llm_jax.training.checkpointing import Checkpointer
-    from llm_jax.training.step import compile_steps
     from test_sharding import batches
+
+    from llm_jax.training.step import compile_steps
+    from llm_jax.weights.checkpointing import Checkpointer
 
     cfg, tc, mesh = _setup(json.loads(mesh_json))
     steps = compile_steps(cfg, tc, mesh, seed=0)
@@ -118,8 +119,8 @@ def worker_restore(workdir: str, target: str, ref_npz: str) -> None:
     import jax
 
     from llm_jax.parallel import sharding as sh
-    from llm_jax.training.checkpointing import Checkpointer
     from llm_jax.training.step import compile_steps
+    from llm_jax.weights.checkpointing import Checkpointer
 
     spec = {"mesh": {}, "dcn": {}} if target == "one_device" else SINGLE
     cfg, tc, _ = _setup(spec)

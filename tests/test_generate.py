@@ -21,17 +21,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from llm_jax.weights import formats as cio  # noqa: E402
 from llm_jax.config import ModelConfig  # noqa: E402
-from llm_jax.model.costs import kv_cache_bytes, kv_cache_lengths  # noqa: E402
 from llm_jax.generate import main  # noqa: E402
 from llm_jax.inference import loop  # noqa: E402
 from llm_jax.inference.loop import bucket, generate_jit  # noqa: E402
 from llm_jax.inference.sampler import sample as generate  # noqa: E402
 from llm_jax.inference.sampling import greedy_tokens  # noqa: E402
 from llm_jax.model import init_model  # noqa: E402
+from llm_jax.model.costs import kv_cache_bytes, kv_cache_lengths  # noqa: E402
 from llm_jax.model.kv_cache import CACHE_AXES, cache_nbytes, cache_shardings, init_cache  # noqa: E402
 from llm_jax.parallel.sharding import logical_to_spec, make_mesh  # noqa: E402
+from llm_jax.weights import flat, readers, writers  # noqa: E402
 
 TOL = 1e-4
 V = 512  # room for the CLI test's tokenizer
@@ -45,7 +45,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 2
 
 def random_model(cfg: ModelConfig = CFG, seed: int = 0):
     """Weights big enough that logits spread (std-0.02 init gives near-uniform ones)."""
-    _, targets = cio._abstract_targets(cfg)
+    _, targets = flat.abstract_targets(cfg)
     rng = np.random.default_rng(seed)
     scale = {"sinks": 1.0, "embedding": 1.0, "gate_up_proj": 0.6, "down_proj": 0.05,
              "o_proj": 1 / math.sqrt(cfg.num_attention_heads * cfg.head_dim)}
@@ -60,12 +60,12 @@ def random_model(cfg: ModelConfig = CFG, seed: int = 0):
         else:
             v = scale.get(name, 1 / math.sqrt(cfg.hidden_size)) * z
         params[key] = v.astype(t.dtype)
-    return cio.model_from_params(cfg, params)
+    return flat.model_from_params(cfg, params)
 
 
 def with_config(model, cfg: ModelConfig):
     """The same weights under another (implementation) config."""
-    return cio.model_from_params(cfg, cio.flat_params(model))
+    return flat.model_from_params(cfg, flat.flat_params(model))
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_greedy_tokens_match_transformers_generate(tmp_path):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
                            do_sample=False, pad_token_id=0, eos_token_id=None)
     want = want[0, len(prompt):].tolist()
-    ours = cio.load_pretrained(tmp_path)
+    ours = readers.load_pretrained(tmp_path)
     assert ours.cfg.sliding_window == 8 and ours.cfg.rope_scaling_factor == 32
     assert generate(ours, prompt, max_new_tokens=20) == want
     assert len(set(want)) > 3  # not a degenerate repetition
@@ -310,13 +310,13 @@ def test_bad_input_raises_value_error_naming_the_argument(model, kwargs, names):
 
 # ---------------------------------------------------------------------- CLI
 def test_cli_generates_from_an_llm_jax_checkpoint_with_its_tokenizer(model, tmp_path, capsys):
-    from llm_jax.data.tokenizer import Tokenizer
-
     import inspect
+
+    from llm_jax.data.tokenizer import Tokenizer
 
     tok = Tokenizer.train([inspect.getsource(json.decoder)], vocab_size=400)
     tok.save(str(tmp_path / "tokenizer.model"))
-    ckpt = cio.save_llm_jax(model, tmp_path / "ckpt")
+    ckpt = writers.save_llm_jax(model, tmp_path / "ckpt")
     out_json = tmp_path / "out.json"
     assert main(["--checkpoint", str(ckpt), "--prompt", "def fib(", "--max_new_tokens", "8",
                  "--output_json", str(out_json)]) == 0
@@ -328,7 +328,7 @@ def test_cli_generates_from_an_llm_jax_checkpoint_with_its_tokenizer(model, tmp_
 
 
 def test_cli_takes_prompt_ids_without_a_tokenizer_and_names_bad_flags(model, tmp_path, capsys):
-    ckpt = cio.save_llm_jax(model, tmp_path / "ckpt")  # (HF loading: the transformers test)
+    ckpt = writers.save_llm_jax(model, tmp_path / "ckpt")  # (HF loading: the transformers test)
     out_json = tmp_path / "out.json"
     assert main(["--checkpoint", str(ckpt), "--max_new_tokens", "4", "--output_json",
                  str(out_json), *sum((["--prompt_ids", ",".join(map(str, p))] for p in PROMPTS),

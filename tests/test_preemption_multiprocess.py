@@ -30,7 +30,7 @@ from local import free_port  # noqa: E402
 from test_distributed import FAST_XLA  # noqa: E402  (cheap compiles; the same for every run)
 from test_reliability import OVERRIDES, ROOT, _complete_steps, _params, _records  # noqa: E402
 
-from llm_jax.training.checkpointing import tmp_leftovers  # noqa: E402
+from llm_jax.weights.checkpointing import tmp_leftovers  # noqa: E402
 
 UNTIL_STOPPED, LOG_EVERY = 100_000, 4  # steps asked of the interrupted runs; log (and agree
 # on SIGINT) every 4 steps

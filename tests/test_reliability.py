@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm_jax.training import step as train_step
-from llm_jax.training.checkpointing import MANIFEST, Checkpointer, restore_params, tmp_leftovers
-from llm_jax.training.restore_check import RestoreError
 from llm_jax.config import ModelConfig
-from llm_jax.training.run_config import default_run_config, model_config, validate_run_config
 from llm_jax.parallel.sharding import make_mesh
+from llm_jax.training import step as train_step
 from llm_jax.training.loop import train
+from llm_jax.training.run_config import default_run_config, model_config, validate_run_config
 from llm_jax.training.step import compile_steps
+from llm_jax.weights.checkpointing import MANIFEST, Checkpointer, restore_params, tmp_leftovers
+from llm_jax.weights.restore_check import RestoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_STEPS, EVERY = 24, 4
@@ -339,6 +339,9 @@ def test_config_unknown_field_wrong_type_and_conflicts_are_named(corpus_dir, tmp
         (bad("checkpoint", "every_steps", 0), r"checkpoint.every_steps=0 is invalid"),
         (bad("train", "learning_rate", float("nan")), r"train.learning_rate=nan is invalid"),
         (bad("train", "grad_accum_steps", 3), r"batch_size=4 and train.grad_accum_steps=3"),
+        (bad("sft", "on_bad_line", "skp"), r"sft.on_bad_line='skp' is invalid: expected one of"),
+        (bad("data", "on_bad_file", "eror"), r"data.on_bad_file='eror' is invalid: expected one "
+                                             r"of \['skip', 'stop'\]"),
     ]:
         with pytest.raises(ValueError, match=match):
             validate_run_config(cfg)
@@ -358,12 +361,18 @@ def test_cli_wrong_type_and_repeated_overrides_are_clear_errors(corpus_dir, tmp_
         (["--config.train.num_steps=abc"], "train.num_steps"),
         (["--config.train.num_steps=5", "--config.train.num_steps=6"],
          "--config.train.num_steps is given twice, as '5' and '6'"),
+        (["--config.train.num_stpes=3"], "--config.train.num_stpes: config.train has no field "
+                                         "'num_stpes'"),
+        (["--config.model.hidden_size=-5"], "ModelConfig.hidden_size=-5 is invalid"),
+        (["--config.sft.on_bad_line=skp"], "sft.on_bad_line='skp' is invalid: expected one of "
+                                           "['skip', 'stop']"),
     ]:
         cmd = [sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
                f"--workdir={tmp_path / 'run'}", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("llm_jax.train: error: ")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

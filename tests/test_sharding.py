@@ -131,11 +131,10 @@ def test_optimizer_state_gets_the_param_shardings():
 def test_describe_lists_every_param_sharding_from_the_same_rules():
     from flax import nnx
 
-    from llm_jax.model import costs as describe
-    from llm_jax.model import abstract_model
+    from llm_jax.model import abstract_model, costs
 
     mesh = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 4}
-    rows = {r["param"]: r for r in describe.param_shardings(tiny_model(), mesh)}
+    rows = {r["param"]: r for r in costs.param_shardings(tiny_model(), mesh)}
     state = nnx.state(abstract_model(tiny_model()), nnx.Param)
     assert len(rows) == len(jax.tree.leaves(state))
     gate_up = rows["layers/mlp/gate_up_proj"]  # [L, E, D, 2F]
@@ -221,8 +220,9 @@ def case_meshes() -> dict:
 
 
 def case_expert_parallel() -> dict:
+    from llm_jax.model.experts import ExpertWeights
     from llm_jax.model.moe import route
-    from llm_jax.model.moe_dispatch import ExpertWeights, moe_dense
+    from llm_jax.model.moe_dispatch import moe_dense
     from llm_jax.model.moe_parallel import moe_expert_parallel
 
     d, e, f, k = 32, 8, 24, 2

@@ -15,14 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_reliability import SHUFFLE_BUFFER_TOKENS, SMALL_MODEL, SMALL_MODEL_OVERRIDES, _small_cfg
 
-from llm_jax.training.checkpointing import Checkpointer, restore_params
-from llm_jax.training.run_config import model_config
 from llm_jax.parallel.sharding import make_mesh
 from llm_jax.training.loop import train
+from llm_jax.training.run_config import model_config
 from llm_jax.training.step import compile_steps, decay_mask, learning_rate_schedule
-from test_reliability import (SHUFFLE_BUFFER_TOKENS, SMALL_MODEL, SMALL_MODEL_OVERRIDES,
-                              _small_cfg)
+from llm_jax.weights.checkpointing import Checkpointer, restore_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,8 +154,8 @@ def test_changed_model_config_is_refused_and_checkpoints_kept(corpus_dir, tmp_pa
 
 
 def test_resume_allows_other_execution_fields_but_not_other_numerics():
-    from llm_jax.training.checkpointing import check_same_model
     from llm_jax.config import ModelConfig
+    from llm_jax.weights.checkpointing import check_same_model
 
     saved = {"model": ModelConfig().to_dict()}
     check_same_model(saved, ModelConfig(remat=True, scan_layers=False), "ckpts")

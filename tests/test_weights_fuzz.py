@@ -133,18 +133,18 @@ def _mutate_json(rng: np.random.Generator, path: Path) -> str:
 def _bases(root: Path) -> dict[str, np.ndarray]:
     """The four base directories under `root`; returns their params."""
     from llm_jax import ModelConfig
-    from llm_jax.weights import formats as cio
+    from llm_jax.weights import flat, writers
 
     cfg = ModelConfig(**CFG)
-    _, targets = cio._abstract_targets(cfg)
+    _, targets = flat.abstract_targets(cfg)
     rng = np.random.default_rng(SEED)
-    model = cio.model_from_params(cfg, {k: rng.normal(size=t.shape).astype(t.dtype)
+    model = flat.model_from_params(cfg, {k: rng.normal(size=t.shape).astype(t.dtype)
                                         for k, t in targets.items()})
-    cio.save_hf(model, root / "hf")
-    cio.save_hf(model, root / "sharded", max_shard_bytes=4_000)
-    cio.save_openai(model, root / "openai" / "original")
-    cio.save_llm_jax(model, root / "llm_jax")
-    return cio.flat_params(model)
+    writers.save_hf(model, root / "hf")
+    writers.save_hf(model, root / "sharded", max_shard_bytes=4_000)
+    writers.save_openai(model, root / "openai" / "original")
+    writers.save_llm_jax(model, root / "llm_jax")
+    return flat.flat_params(model)
 
 
 def _targets(kind: str, d: Path) -> list[Path]:
@@ -160,8 +160,8 @@ def _cap_address_space() -> None:
 
 def run_cases(tmp: Path) -> dict[str, Any]:
     """The fuzz loop (in the subprocess): outcome counts and every failure, described."""
-    from llm_jax.weights import formats as cio
     from llm_jax import load_pretrained
+    from llm_jax.weights import flat
 
     params = _bases(tmp / "bases")
     load_pretrained(tmp / "bases" / "hf")  # warm: JAX's threads and caches exist before the cap
@@ -183,7 +183,7 @@ def run_cases(tmp: Path) -> dict[str, Any]:
             signal.alarm(0)
             outcomes["loaded"] += 1
             if "data_offsets" not in what and "op 4" not in what:  # same bytes, same weights
-                for k, v in cio.flat_params(model).items():
+                for k, v in flat.flat_params(model).items():
                     if not np.array_equal(v, params[k].astype(v.dtype), equal_nan=True):
                         failures.append(f"{label}: loaded, but {k} differs from the file")
         except ValueError as e:

@@ -122,14 +122,6 @@ class Isolated:
         self.close()
 
 
-def in_own_process(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` once, in a fresh spawned process (see `Isolated`); `fn` must be picklable."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
-
-
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 

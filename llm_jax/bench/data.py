@@ -44,8 +44,8 @@ import psutil  # a dependency of orbax-checkpoint and tensorflow-datasets
 from llm_jax.bench.common import machine, table
 from llm_jax.data import DataConfig, make_datasets
 from llm_jax.data.local_text import stdlib_python_files
-from llm_jax.data.sources import open_text_splits
 from llm_jax.data.shard_writer import write_text_shards
+from llm_jax.data.sources import open_text_splits
 
 TRAINER_TOKENS_PER_S = 2_000  # configs/tiny.py: 8 x 256 tokens per ~1 s step on 2 cores
 SHARD_MB = 128  # generated corpora: about this much text per shard

@@ -56,8 +56,8 @@ def peak_flops(quick: bool) -> tuple[float, str]:
 def run(batch: int, seq_len: int, steps: int, quick: bool, attention_impl: str = "auto",
         moe_dispatch: str = "auto") -> dict:
     from llm_jax.bench.train import JaxTrainer, quick_model_config, random_batch, tiny_run_config
-    from llm_jax.kernels.select import kernels_line
     from llm_jax.model.costs import active_params, flops_per_token, total_params
+    from llm_jax.model.select import kernels_line
 
     t0 = time.perf_counter()
     cfg = quick_model_config().replace(dtype="bfloat16") if quick else check_config()

@@ -11,7 +11,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from llm_jax.data.local_text import ON_BAD_FILE
+# What the SFT reader does with a malformed JSONL line (run config `sft.on_bad_line`), and the
+# local text source with an empty, unreadable, binary or non-UTF-8 file (`data.on_bad_file`).
+ON_BAD_LINE = ("skip", "stop")
+ON_BAD_FILE = ("skip", "stop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +31,7 @@ class DataConfig:
     data_dir: str = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
     validation_fraction: float = 0.02  # local text: share of files (by path hash) held out
     document_bytes: int = 1 << 20  # local text: cut longer files into documents near this size
-    on_bad_file: str = "skip"  # local text: empty, unreadable, binary, non-UTF-8: skip | error
+    on_bad_file: str = "skip"  # local text: empty, unreadable, binary, non-UTF-8: skip | stop
     seq_len: int = 256
     shuffle_seed: int = 0
     shuffle_buffer_tokens: int = 1 << 20  # packed rows shuffled together (pipeline.py); 0 = off

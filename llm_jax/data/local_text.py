@@ -25,7 +25,7 @@ p-th 1/P of its split's documents (as `tfds.even_splits` does), so it opens only
 
 Bad files. An empty or unreadable file is found at start-up; bytes that are not UTF-8 (or hold
 NUL, i.e. binary) when their document is read. `on_bad_file="skip"` logs each one by name (a
-bad document is then read as "", which the pipeline drops), "error" stops naming it.
+bad document is then read as "", which the pipeline drops), "stop" stops naming it.
 
 The corpus's name, `local_text/<files|stdlib>_<hash>`, covers the relative paths, their sizes,
 `validation_fraction` and `document_bytes`: the resume check (resume.py) compares it, so a run
@@ -44,9 +44,10 @@ import os
 import sysconfig
 from collections.abc import Iterator
 
+from llm_jax.data.config import ON_BAD_FILE
+
 log = logging.getLogger(__name__)
 
-ON_BAD_FILE = ("skip", "error")
 _LISTED_BAD = 20  # bad files named one by one in the start-up warning; the rest are counted
 _MAX_SEARCH = 1 << 16  # bytes after a nominal cut searched for a line end
 
@@ -194,8 +195,8 @@ class FileDocuments:
             return decode_document(data, f"bytes [{start}, {start + len(data)}) of {path}")
         except (OSError, BadTextError) as e:
             reason = e if isinstance(e, BadTextError) else f"cannot read {path}: {e}"
-            if self.on_bad_file == "error":
-                raise BadTextError(f"{reason} (data.on_bad_file='error'; set 'skip' to skip "
+            if self.on_bad_file == "stop":
+                raise BadTextError(f"{reason} (data.on_bad_file='stop'; set 'skip' to skip "
                                    "such text with a warning)") from e
             log.warning("skipping %s", reason)
             return ""  # dropped by the pipeline (an empty document holds no text)
@@ -261,9 +262,9 @@ def open_local_files(files: str, *, validation_fraction: float, document_bytes: 
     if bad:
         listed = "; ".join(bad[:_LISTED_BAD]) + (
             f"; and {len(bad) - _LISTED_BAD} more" if len(bad) > _LISTED_BAD else "")
-        if on_bad_file == "error":
+        if on_bad_file == "stop":
             raise BadTextError(f"{len(bad)} of {len(paths)} files of data.files={files!r} "
-                               f"cannot be used: {listed} (data.on_bad_file='error')")
+                               f"cannot be used: {listed} (data.on_bad_file='stop')")
         log.warning("skipping %d of %d text files: %s", len(bad), len(paths), listed)
     by_rel = {f.relpath: f for f in usable}
     assigned = assign_splits(sorted(by_rel), validation_fraction)

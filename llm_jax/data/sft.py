@@ -29,8 +29,6 @@ from absl import logging
 from llm_jax.data.hf_tokenizer import HFTokenizer, Message
 from llm_jax.data.resume import TaggedIterator, check_saved_state
 
-ON_BAD_LINE = ("skip", "stop")
-
 
 @dataclasses.dataclass
 class BadLines:

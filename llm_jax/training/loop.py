@@ -7,7 +7,7 @@ checkpoint, exactly: params, optimizer, step and data iterator are restored.
 
 Faults (docs/reliability.md): SIGTERM / SIGINT finish the step, save and exit (128 + signal);
 a second one exits at once. Interrupted saves are removed at start-up and corrupt checkpoints
-skipped (llm_jax.checkpointing). Each step returns an `isfinite` flag that the loop reads one
+skipped (llm_jax.weights.checkpointing). Each step returns an `isfinite` flag that the loop reads one
 step late, so the host stays a step ahead of the device, and before every save: a non-finite
 loss or gradient stops the run naming the step, or with `train.skip_nonfinite_updates` the step
 left params and moments as they were and is counted.
@@ -27,19 +27,20 @@ import ml_collections
 from absl import logging
 
 from llm_jax.config import ModelConfig
-from llm_jax.kernels.select import kernels_line
 from llm_jax.model import costs as describe
+from llm_jax.model.select import kernels_line
 from llm_jax.parallel import distributed
 from llm_jax.parallel.sharding import mesh_from_config
 from llm_jax.runtime.malloc import active_malloc
 from llm_jax.runtime.peak import peak_flops
 from llm_jax.training import faults, finetune
-from llm_jax.training.checkpointing import Checkpointer, check_same_model
 from llm_jax.training.metrics import MetricsWriter, read_metrics
 from llm_jax.training.preemption import Interrupted, StopRequest
 from llm_jax.training.run_config import model_config, validate_run_config
 from llm_jax.training.step import Steps, compile_steps, make_optimizer
 from llm_jax.training.workdir_lock import hold_workdir
+from llm_jax.weights.checkpointing import Checkpointer, check_same_model
+
 
 def ensure_writable(workdir: str) -> None:
     """Creates the workdir and writes a file in it (a name of its own per process: every

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from llm_jax.config import ModelConfig
+from llm_jax.data.config import ON_BAD_FILE, ON_BAD_LINE
 
 
 def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDict:
@@ -30,7 +31,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.data.data_dir = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
     cfg.data.validation_fraction = 0.02  # local text: share of files (by path hash) held out
     cfg.data.document_bytes = 1 << 20  # local text: longer files are cut into documents near this
-    cfg.data.on_bad_file = "skip"  # local text: "skip" (named in a warning) or "error"
+    cfg.data.on_bad_file = "skip"  # local text: "skip" (named in a warning) or "stop"
     cfg.data.seq_len = 256
     cfg.data.shuffle_seed = 0
     cfg.data.shuffle_buffer_tokens = 1 << 20  # packed rows shuffled together; 0 = off
@@ -60,7 +61,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     # last good checkpoint; True instead skips that update (params and moments kept) and counts
     # it in the metrics as skipped_updates (docs/reliability.md).
     cfg.train.skip_nonfinite_updates = False
-    cfg.train.inject_nan_at_step = -1  # fault injection (llm_jax.faults): NaN loss at step N
+    cfg.train.inject_nan_at_step = -1  # fault injection (llm_jax.training.faults): NaN loss at step N
     # Fine-tuning (docs/finetuning.md): any directory load_pretrained reads (HF, OpenAI original/,
     # llm_jax, a training workdir). Params and model config come from it; a resumed run restores
     # its own checkpoint instead.
@@ -81,7 +82,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.lora.alpha = 16.0
     cfg.lora.targets = "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj"
 
-    # Device mesh (llm_jax.sharding): sizes within a slice / node; one may be -1 (the rest).
+    # Device mesh (llm_jax.parallel.sharding): sizes within a slice / node; one may be -1 (the rest).
     # dcn_* multiply them across TPU slices or GPU nodes (the data-center network). See
     # docs/scaling.md for how to choose.
     cfg.mesh = ml_collections.ConfigDict()
@@ -94,7 +95,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.mesh.dcn_tensor = 1
     cfg.mesh.dcn_expert = 1
 
-    # Multi-process runs (llm_jax.distributed): "" / -1 = from the environment (JAX_COORDINATOR_
+    # Multi-process runs (llm_jax.parallel.distributed): "" / -1 = from the environment (JAX_COORDINATOR_
     # ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or TPU VM / SLURM detection); none = 1 process.
     cfg.distributed = ml_collections.ConfigDict()
     cfg.distributed.coordinator_address = ""  # host:port of process 0
@@ -116,6 +117,11 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.checkpoint.inject_kill_during_save_at_step = -1  # fault injection: kill -9 mid-save
     return cfg
 
+
+_CHOICES = {  # (section, field): the values allowed
+    ("sft", "on_bad_line"): ON_BAD_LINE,
+    ("data", "on_bad_file"): ON_BAD_FILE,
+}
 
 _MIN = {  # (section, field): smallest allowed value
     ("train", "num_steps"): 0, ("train", "batch_size"): 1, ("train", "grad_accum_steps"): 1,
@@ -163,6 +169,10 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
         if cfg[section][key] < low:
             raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
                              f"expected >= {low}")
+    for (section, key), allowed in _CHOICES.items():
+        if cfg[section][key] not in allowed:
+            raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
+                             f"expected one of {list(allowed)}")
     tc = cfg.train
     if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
         raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "

@@ -73,7 +73,7 @@ def test_cut_documents_tile_each_file_exactly_at_text_boundaries(tmp_path, docum
     texts["tiny.txt"] = "one line, no end"
     for name, text in texts.items():
         (src / name).write_text(text, encoding="utf-8")
-    corpus = _open(f"{src}/*.txt", 0.3, document_bytes, on_bad_file="error")
+    corpus = _open(f"{src}/*.txt", 0.3, document_bytes, on_bad_file="stop")
     for split in ("train", "eval"):
         share = corpus.share(split)
         by_file: dict[str, list[str]] = {}
@@ -152,12 +152,12 @@ def test_bad_files_are_named_and_skipped_by_default(tmp_path, caplog):
     assert [os.path.basename(b.split(":")[0]) for b in corpus.bad] == ["empty.txt"]
 
 
-def test_bad_files_are_refused_by_name_with_on_bad_file_error(tmp_path):
+def test_bad_files_are_refused_by_name_with_on_bad_file_stop(tmp_path):
     src = _bad_corpus(tmp_path)
     with pytest.raises(BadTextError, match="empty.txt: it is empty"):
-        _open(f"{src}/*.txt", 0.3, on_bad_file="error")
+        _open(f"{src}/*.txt", 0.3, on_bad_file="stop")
     os.remove(src / "empty.txt")
-    corpus = _open(f"{src}/*.txt", 0.3, on_bad_file="error")
+    corpus = _open(f"{src}/*.txt", 0.3, on_bad_file="stop")
     for split in ("train", "eval"):
         share = corpus.share(split)
         for i in range(len(share)):

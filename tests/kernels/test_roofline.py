@@ -38,7 +38,7 @@ def test_splash_and_gmm_compile_for_tpu_under_a_mesh():
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
-    from llm_jax.kernels.grouped_moe import grouped_matmul
+    from llm_jax.kernels.grouped_matmul import grouped_matmul
     from llm_jax.kernels.splash_attention import splash_attend
     from llm_jax.parallel.sharding import make_mesh
 

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.attention import Attention, attend, attention_mask
+from llm_jax.model.attention import Attention
+from llm_jax.model.attention_math import attend, attention_mask
 
 
 def numpy_attention(q, k, v, sinks, window=0):

@@ -4,8 +4,8 @@ config overrides, and clear errors naming the field."""
 import pytest
 
 from llm_jax.config import ModelConfig
-from llm_jax.kernels.select import attention_impl, backend, compiling_for, kernels_line, moe_impl
-from llm_jax.model.moe_dispatch import auto_dispatch
+from llm_jax.model.select import attention_impl, auto_moe, kernels_line, moe_impl
+from llm_jax.runtime.backend import backend, compiling_for
 
 CFG = ModelConfig()
 
@@ -37,7 +37,7 @@ def test_compiling_for_sets_the_target_backend():
     host = backend()
     with compiling_for("tpu"):
         assert backend() == "tpu"
-        assert auto_dispatch(CFG, 1000) == "gmm"
+        assert auto_moe(CFG, 1000) == "gmm"
     assert backend() == host
 
 

@@ -1,16 +1,12 @@
-"""Compile the real train step ahead of time for hardware that is not here, and price its memory.
+"""Compile the real train step ahead of time for hardware that is not here, and price its memory
+(the command line is `python -m llm_jax.compile`, llm_jax/compile.py).
 
-    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5p-32 \\
-        --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\
-        [--config.model.moe_dispatch=expert_parallel ...] [--json]
-    python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
-
-With --topology the devices are libtpu's compile-only description of that TPU slice (pip install
-"llm_jax[tpu]"; no TPU needed); with --cpu_devices N, N simulated CPU devices. The step is
+`tpu_devices` are libtpu's compile-only description of a TPU slice (pip install
+"llm_jax[tpu]"; no TPU needed); or any devices, such as N simulated CPU devices. The step is
 lowered with abstract inputs (ShapeDtypeStructs carrying the shardings of `compile_steps`), so
 nothing is allocated, and `compiled.memory_analysis()` gives per-chip bytes: arguments (params,
 optimizer state, batch), outputs, temporaries; the state is donated, so outputs alias it. Next
-to it, the arithmetic estimate of `describe.memory_per_device`.
+to it, the arithmetic estimate of `costs.memory_per_device`.
 
 `compile_generate` does the same for the generation program (`llm_jax.sample` with a mesh), from
 Python.
@@ -21,13 +17,26 @@ Topology names: `v5p-N`, `v4-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N`
 
 from __future__ import annotations
 
-import json
-import sys
+import os
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+
+from llm_jax.inference.loop import generate_jit
+from llm_jax.inference.sampler import program_inputs
+from llm_jax.model import abstract_model, costs
+from llm_jax.model.select import kernels_line
+from llm_jax.parallel import roofline
+from llm_jax.parallel.sharding import MESH_AXES, make_mesh
+from llm_jax.runtime.backend import compiling_for
+from llm_jax.training.run_config import model_config
+from llm_jax.training.step import compile_steps
 
 # Per-chip HBM (bytes), by jax device_kind. Cloud TPU specs: v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
 # v6e 32 GiB.
@@ -61,10 +70,6 @@ def topology_name(name: str) -> str:
 
 def tpu_devices(name: str, num_slices: int = 1) -> list[Any]:
     """Compile-only devices of a TPU topology (needs libtpu, not a TPU)."""
-    import os
-
-    from jax.experimental import topologies
-
     # Compile-only use: let several processes (parallel tests, two compiles) load libtpu.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
@@ -80,15 +85,6 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
                        mesh: dict[str, int] | None = None, dcn: dict[str, int] | None = None,
                        batch: int | None = None, seq_len: int | None = None) -> dict[str, Any]:
     """Lowers and compiles the train step for `devices`; returns memory and timing facts."""
-    import jax.numpy as jnp
-
-    from llm_jax.kernels.select import compiling_for, kernels_line
-    from llm_jax.model import costs as describe
-    from llm_jax.parallel import roofline
-    from llm_jax.training.run_config import model_config
-    from llm_jax.parallel.sharding import MESH_AXES, make_mesh
-    from llm_jax.training.step import compile_steps
-
     cfg = model_config(run_cfg)
     tc = ml_collections.ConfigDict(run_cfg.train.to_dict())
     if batch is not None:
@@ -116,10 +112,10 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     kind = devices[0].device_kind
     hbm = HBM_BYTES.get(kind)
     sizes = dict(m.shape)
-    estimate = describe.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes)
+    estimate = costs.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes)
     kernels = roofline.kernels_in(compiled.as_text())
     step_cost = roofline.cost(compiled)
-    model_flops = describe.flops_per_token(cfg, seq_len, training=True) * tc.batch_size * seq_len
+    model_flops = costs.flops_per_token(cfg, seq_len, training=True) * tc.batch_size * seq_len
     bound = roofline.roofline(kind, step_cost["flops"], step_cost["bytes"],
                               model_flops / len(devices))
     return {
@@ -144,14 +140,6 @@ def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int)
     """The compiled program of `llm_jax.sample(model, prompts, mesh=mesh)` for `cfg` (greedy,
     `batch` prompts of `prompt_len`, `new_tokens` new), lowered with abstract, replicated
     weights on `mesh`'s devices, for their platform: does sharded generation compile there?"""
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from llm_jax.inference.loop import generate_jit
-    from llm_jax.inference.sampler import program_inputs
-    from llm_jax.kernels.select import compiling_for
-    from llm_jax.model import abstract_model
-
     plan, args = program_inputs(cfg, [[0] * prompt_len] * batch, new_tokens, 0.0, 0, 1.0, 0,
                                 None, False, max_len=None, cache_dtype=None, mesh=mesh)
     graphdef, state = nnx.split(abstract_model(cfg))
@@ -161,104 +149,3 @@ def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int)
     with compiling_for(mesh.devices.flat[0].platform):
         lowered = generate_jit.lower(graphdef, state, *args, plan=plan)
     return lowered.compile()
-
-
-def format_result(r: dict[str, Any]) -> str:
-    from llm_jax.model.costs import _bytes
-
-    b, e = r["bytes"], r["estimate"]
-    mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items())
-    fits = ("no HBM size known for this device" if r["fits"] is None else
-            f"{'fits' if r['fits'] else 'does NOT fit'} in {_bytes(r['hbm_bytes'])} HBM")
-    return "\n".join([
-        f"# {r['name']} train step on {r['devices']} x {r['device_kind']}, mesh {mesh}, "
-        f"batch {r['batch']} x seq {r['seq_len']}, dispatch {r['moe_dispatch']}, "
-        f"remat {r['remat']}",
-        f"lowered in {r['lower_seconds']:.1f} s, compiled in {r['compile_seconds']:.1f} s",
-        "per chip, compiled (memory_analysis):",
-        f"  arguments {_bytes(b['arguments'])} (params + optimizer state + batch), outputs "
-        f"{_bytes(b['outputs'])} of which aliased (donated) {_bytes(b['aliased'])}, temporaries "
-        f"{_bytes(b['temp'])}, code {_bytes(b['code'])}",
-        f"  total {_bytes(b['total'])}: {fits}",
-        f"per chip, estimated (describe.memory_per_device): params {_bytes(e['params'])}, grads "
-        f"{_bytes(e['grads'])}, Adam m+v {_bytes(e['adam_m_v'])}, activations "
-        f"{_bytes(e['activations'])}, total {_bytes(e['total'])}",
-        *_roofline_lines(r),
-    ])
-
-
-def _roofline_lines(r: dict[str, Any]) -> list[str]:
-    """The kernels found in the compiled program, its cost and roofline (when known)."""
-    if "cost" not in r:
-        return []
-    c, rf = r["cost"], r["roofline"]
-    found = ", ".join(f"{n} x{k}" for n, k in sorted(r["kernels"].items())) or "none"
-    lines = [f"selected: {r['selected']}; Pallas kernels in the compiled program: {found}",
-             f"per chip, compiled (cost_analysis): {c['flops']:.4g} FLOPs, {c['bytes']:.4g} bytes "
-             f"accessed; model FLOPs {r['model_flops_per_chip']:.4g}"]
-    if rf is not None:
-        lines.append(
-            f"roofline on {rf['peak_flops'] / 1e12:.0f} TFLOP/s, {rf['hbm_bandwidth'] / 1e9:.0f} "
-            f"GB/s: step >= {rf['step_seconds'] * 1e3:.1f} ms ({rf['bound']}-bound; FLOPs "
-            f"{rf['flops_seconds'] * 1e3:.1f} ms, bytes {rf['bytes_seconds'] * 1e3:.1f} ms), "
-            f"MFU <= {rf['mfu_bound']:.1%}")
-    return lines
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    from absl import flags
-
-    from llm_jax.model.costs import parse_mesh
-
-    FLAGS = flags.FLAGS
-    try:
-        if FLAGS.topology:
-            devices = tpu_devices(FLAGS.topology, FLAGS.num_slices)
-        else:
-            devices = jax.devices()
-        mesh = parse_mesh(FLAGS.mesh, allow_fill=True) if FLAGS.mesh else None
-        dcn = parse_mesh(FLAGS.dcn) if FLAGS.dcn else None
-        result = compile_train_step(FLAGS.config, devices, mesh=mesh, dcn=dcn, batch=FLAGS.batch,
-                                    seq_len=FLAGS.seq_len)
-    except (ValueError, RuntimeError) as e:
-        print(f"llm_jax.compile: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(json.dumps(result, indent=2) if FLAGS.json else format_result(result))
-
-
-def _define_flags() -> None:
-    from absl import flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "configs/*.py file with get_config()",
-                                    lock_config=True)
-    flags.DEFINE_string("topology", "", "TPU slice, e.g. v5p-32, v5e-16, v6e-64 or v5p:2x2x4 "
-                        "('' = this machine's devices)")
-    flags.DEFINE_integer("num_slices", 1, "TPU slices joined by DCN (multi-slice)")
-    flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (no --topology)")
-    flags.DEFINE_string("mesh", "", "mesh axis sizes within a slice, one may be -1, e.g. "
-                        "fsdp=-1,expert=4 ('' = the config's mesh section)")
-    flags.DEFINE_string("dcn", "", "mesh axis sizes across slices, e.g. data=2")
-    flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
-    flags.DEFINE_integer("seq_len", None, "sequence length (default: data.seq_len)")
-    flags.DEFINE_bool("json", False, "print the result as JSON")
-    flags.mark_flag_as_required("config")
-
-
-def _cpu_devices_from_argv(argv: list[str]) -> None:
-    """--cpu_devices must take effect before JAX creates its CPU backend."""
-    for i, a in enumerate(argv):
-        value = a.partition("=")[2] if a.startswith("--cpu_devices=") else (
-            argv[i + 1] if a == "--cpu_devices" and i + 1 < len(argv) else None)
-        if value and int(value) > 0:
-            jax.config.update("jax_num_cpu_devices", int(value))
-
-
-def cli() -> None:
-    """`python -m llm_jax.compile`."""
-    from absl import app
-
-    _define_flags()
-    _cpu_devices_from_argv(sys.argv)
-    app.run(main)

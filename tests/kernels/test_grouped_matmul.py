@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llm_jax.kernels.grouped_moe import grouped_matmul
+from llm_jax.kernels.grouped_matmul import grouped_matmul
 
 
 @pytest.mark.parametrize("kernel", ["megablox", "triton"])

@@ -14,7 +14,7 @@ background thread); before a step is restored it is checked against it, and a st
 (a truncated, zeroed or missing file) is named with the file, moved to
 WORKDIR/corrupt_checkpoints/ and the previous one is used instead. A step without the manifest
 (killed between the save and the manifest) is restored unverified, with a warning; one that then
-fails with a read error is treated as corrupt too. Any other failure (llm_jax.restore_check: a
+fails with a read error is treated as corrupt too. Any other failure (llm_jax.weights.restore_check: a
 changed train state tree, memory, a bug) raises `RestoreError` and moves nothing, and a workdir
 left with quarantined steps and none that restores is not trained again from step 0 unless
 `checkpoint.allow_fresh_start` says so.
@@ -35,11 +35,19 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from flax import nnx
 
-from llm_jax.parallel import distributed
 from llm_jax.config import EXECUTION_FIELDS, ModelConfig
-from llm_jax.training.restore_check import (CORRUPT, RESTORED, RestoreError, incompatibility, judge,
-                                   stop_error)
+from llm_jax.model import abstract_model
+from llm_jax.parallel import distributed
+from llm_jax.weights.restore_check import (
+    CORRUPT,
+    RESTORED,
+    RestoreError,
+    incompatibility,
+    judge,
+    stop_error,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -134,7 +142,7 @@ class _Manager(ocp.CheckpointManager):
     from its finalize thread steps later. The sync manager keeps the last value it was given, so
     that call sets it back; a preemption notice handled then picks a sync point the train loop
     has already passed, and every process trains on past the preemption. The loop is the only
-    caller (llm_jax.preemption.StopRequest); here the answer only fed Orbax's metrics and logs.
+    caller (llm_jax.training.preemption.StopRequest); here the answer only fed Orbax's metrics and logs.
     We always save with `force=True`, so `should_save` never needs it."""
 
     def reached_preemption(self, step: int) -> bool:
@@ -406,10 +414,6 @@ def check_same_model(saved_config: dict[str, Any], cfg: ModelConfig, directory: 
 def restore_params(workdir: str, step: int | None = None):
     """(ModelConfig, params State, tokenizer proto or None) of a training workdir's checkpoint:
     `step`, or the newest one that passes its checksums and restores (others are reported)."""
-    from flax import nnx
-
-    from llm_jax.model import abstract_model
-
     ckpt = Checkpointer(workdir, create=False, async_save=False)
 
     def restore(s: int):
