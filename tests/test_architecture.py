@@ -143,3 +143,15 @@ def test_a_cycle_and_a_private_import_are_caught():
              "llm_jax.model.b": imports("import llm_jax.model.a", "llm_jax.model.b")}
     assert cycles(graph) == [["llm_jax.model.a", "llm_jax.model.b"]]
     assert private_imports(graph) == ["llm_jax.model.a:1 imports the private llm_jax.model.b._f"]
+
+
+def test_no_test_file_imports_another():
+    """Shared test code lives in tests/helpers.py (and conftest.py fixtures), never in a test."""
+    bad = []
+    for f in sorted(ROOT.glob("tests/**/*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{f.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[-1].startswith(("test_", "conftest"))]
+    assert bad == []
