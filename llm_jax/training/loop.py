@@ -3,16 +3,17 @@
 The loop is the only impure part: it feeds batches to the jitted step, logs every
 `train.log_every_steps` (one host sync there), evaluates, checkpoints, and at the end draws the
 curves and samples a few lines. Read it in three parts: `setup` builds the run's pieces (`Run`),
-`_loop` runs the steps and calls the periodic actions (`check_finite`, `log`, `save`), each a
-small function of the run and its mutable `Progress`; `finish` draws and samples. Rerunning with the same --workdir resumes from the latest
-checkpoint, exactly: params, optimizer, step and data iterator are restored.
+`_loop` runs the steps and calls the periodic actions (`check_finite`, `log`, `save`), each a small
+function of the run and its mutable `Progress`; `finish` draws and samples. Rerunning with the same
+--workdir resumes from the latest checkpoint, exactly: params, optimizer, step and data iterator are
+restored.
 
-Faults (docs/reliability.md): SIGTERM / SIGINT finish the step, save and exit (128 + signal);
-a second one exits at once. Interrupted saves are removed at start-up and corrupt checkpoints
-skipped (llm_jax.weights.checkpointing). Each step returns an `isfinite` flag that the loop reads one
-step late, so the host stays a step ahead of the device, and before every save: a non-finite
-loss or gradient stops the run naming the step, or with `train.skip_nonfinite_updates` the step
-left params and moments as they were and is counted.
+Faults (docs/reliability.md): SIGTERM / SIGINT finish the step, save and exit (128 + signal); a
+second one exits at once. Interrupted saves are removed at start-up and corrupt checkpoints skipped
+(llm_jax.weights.checkpointing). Each step returns an `isfinite` flag that the loop reads one step
+late, so the host stays a step ahead of the device, and before every save: a non-finite loss or
+gradient stops the run naming the step, or with `train.skip_nonfinite_updates` the step left params
+and moments as they were and is counted.
 """
 
 from __future__ import annotations

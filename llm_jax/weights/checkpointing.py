@@ -11,12 +11,12 @@ Crash safety (docs/reliability.md): a training run reports and removes the tempo
 directories a killed save left behind. Once a save has finished, process 0 writes
 `llm_jax_sha256.json` into the step's folder (size and sha256 of every file, hashed in a
 background thread); before a step is restored it is checked against it, and a step that fails
-(a truncated, zeroed or missing file) is named with the file, moved to
-WORKDIR/corrupt_checkpoints/ and the previous one is used instead. A step without the manifest
-(killed between the save and the manifest) is restored unverified, with a warning; one that then
-fails with a read error is treated as corrupt too. Any other failure (llm_jax.weights.restore_check: a
-changed train state tree, memory, a bug) raises `RestoreError` and moves nothing, and a workdir
-left with quarantined steps and none that restores is not trained again from step 0 unless
+(a truncated, zeroed or missing file) is named with the file, moved to WORKDIR/corrupt_checkpoints/
+and the previous one is used instead. A step without the manifest (killed between the save and the
+manifest) is restored unverified, with a warning; one that then fails with a read error is treated
+as corrupt too. Any other failure (llm_jax.weights.restore_check: a changed train state tree,
+memory, a bug) raises `RestoreError` and moves nothing, and a workdir left with quarantined steps
+and none that restores is not trained again from step 0 unless
 `checkpoint.allow_fresh_start` says so.
 """
 
@@ -140,10 +140,10 @@ class _Manager(ocp.CheckpointManager):
 
     Orbax calls `reached_preemption_sync_point(step)` with the step it saves, in `save` and again
     from its finalize thread steps later. The sync manager keeps the last value it was given, so
-    that call sets it back; a preemption notice handled then picks a sync point the train loop
-    has already passed, and every process trains on past the preemption. The loop is the only
-    caller (llm_jax.training.preemption.StopRequest); here the answer only fed Orbax's metrics and logs.
-    We always save with `force=True`, so `should_save` never needs it."""
+    that call sets it back; a preemption notice handled then picks a sync point the train loop has
+    already passed, and every process trains on past the preemption. The loop is the only caller
+    (llm_jax.training.preemption.StopRequest); here the answer only fed Orbax's metrics and logs. We
+    always save with `force=True`, so `should_save` never needs it."""
 
     def reached_preemption(self, step: int) -> bool:
         return False
