@@ -17,7 +17,6 @@ kernels, opt-in on GPU until a run like this one shows them faster than `auto`).
 
 from __future__ import annotations
 
-import argparse
 import re
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ from collections import Counter
 import jax
 
 from llm_jax.config import ModelConfig
+from llm_jax.runtime.cli import ArgumentParser
 
 # Published dense bf16 tensor-core peaks (NVIDIA data sheets), FLOP/s per GPU.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "GH200": 989e12}
@@ -84,7 +84,7 @@ def run(batch: int, seq_len: int, steps: int, quick: bool, attention_impl: str =
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m llm_jax.bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
