@@ -38,7 +38,8 @@ from llm_jax.training import step as train_step
 from llm_jax.training.loop import train
 from llm_jax.training.run_config import model_config, validate_run_config
 from llm_jax.training.step import compile_steps
-from llm_jax.weights.checkpointing import MANIFEST, Checkpointer, restore_params, tmp_leftovers
+from llm_jax.weights.checkpointing import Checkpointer, restore_params, tmp_leftovers
+from llm_jax.weights.manifest import MANIFEST
 from llm_jax.weights.restore_check import RestoreError
 
 RNG = np.random.default_rng(8)  # issue 8: the kill points are random, and reproducible
