@@ -37,18 +37,9 @@ def attention_mask(
     visible &= (window <= 0) | (qp - kp < window)
     if kv_segment_ids_BS is not None:
         ks = kv_segment_ids_BS[:, None, :]
-        qs = query_segments(q_segment_ids_BT, kv_segment_ids_BS)[:, :, None]
+        qs = ks if q_segment_ids_BT is None else q_segment_ids_BT[:, :, None]
         visible &= (qs == ks) & (ks != 0)
     return visible
-
-
-def query_segments(q_segment_ids_BT: jax.Array | None,
-                   kv_segment_ids_BS: jax.Array | None) -> jax.Array | None:
-    """The query segment ids the mask uses: none without key segment ids, the keys' (self-
-    attention) when only those are given."""
-    if kv_segment_ids_BS is None:
-        return None
-    return kv_segment_ids_BS if q_segment_ids_BT is None else q_segment_ids_BT
 
 
 def attend(

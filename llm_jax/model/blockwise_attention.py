@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from llm_jax.model.attention_math import attention_mask, query_segments
+from llm_jax.model.attention_math import attention_mask
 
 # Below this many keys (one or two blocks) the direct path (one T x S einsum) is as fast; from
 # here on the blockwise one is faster, causal or not (docs/benchmarks.md).
@@ -76,6 +76,14 @@ def _unblock(x_JBKGCH, t: int) -> jax.Array:
     return x_JBKGCH.transpose(1, 0, 4, 2, 3, 5).reshape(b, j * c, kh * g, h)[:, :t]
 
 
+def _query_segments(qs_BT, ks_BS):
+    """The query segment ids `attention_mask` uses: none without key segment ids, the keys'
+    (self-attention) when only those are given."""
+    if ks_BS is None:
+        return None
+    return ks_BS if qs_BT is None else qs_BT
+
+
 def _bounds(pos_BT, seg_BT, c: int):
     """Per block [J, B]: whether it has a valid row, and the min/max of the valid rows' positions
     and segment ids. Valid = a real row (not block padding) of a nonzero segment."""
@@ -104,7 +112,7 @@ def block_visibility(
     """Boolean [I, J]: False only where no query of block i can see any key of block j in any
     batch row (`attention_mask`'s rule applied to each block's bounds). These are the pairs
     `blockwise_attend` visits; its `visited_pairs` is their count."""
-    q_segment_ids_BT = query_segments(q_segment_ids_BT, kv_segment_ids_BS)
+    q_segment_ids_BT = _query_segments(q_segment_ids_BT, kv_segment_ids_BS)
     q_any, (qp_lo, qp_hi), qs = _bounds(q_positions_BT, q_segment_ids_BT, q_block)
     k_any, (kp_lo, kp_hi), ks = _bounds(kv_positions_BS, kv_segment_ids_BS, block)
     q = lambda x: x[:, None]  # noqa: E731  [I, B] -> [I, 1, B]
@@ -285,7 +293,7 @@ def blockwise_attend(
         if size < 1:
             raise ValueError(f"blockwise_attend {name}={size} is invalid: expected a positive "
                              "integer")
-    q_segment_ids_BT = query_segments(q_segment_ids_BT, kv_segment_ids_BS)
+    q_segment_ids_BT = _query_segments(q_segment_ids_BT, kv_segment_ids_BS)
     cq, ck = min(q_block, q_BTNH.shape[1]), min(block, k_BSKH.shape[1])
     return _blockwise(q_BTNH, k_BSKH, v_BSKH, sinks_N, q_positions_BT, kv_positions_BS,
                       jnp.asarray(window, jnp.int32), q_segment_ids_BT, kv_segment_ids_BS, cq, ck)

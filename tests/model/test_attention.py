@@ -128,3 +128,12 @@ def test_every_attention_in_the_table_computes_the_reference(name, offset):
     want = attend(q, k, v, sinks, attention_mask(pos, pos, window, seg, seg))
     got = jax.jit(lambda q, k, v: ATTENTIONS[name](q, k, v, sinks, mask, cfg))(q, k, v)
     assert float(jnp.max(jnp.abs(got - want))) < 1e-5
+
+
+def test_mask_with_key_segments_only_hides_padding_keys_for_any_query_length():
+    # Decoding: one query over S cache slots, the empty slots marked as segment 0.
+    kv_pos = jnp.asarray([[0, 1, 2, -1, -1]], jnp.int32)
+    m = attention_mask(jnp.asarray([[2]], jnp.int32), kv_pos, 0, None,
+                       (kv_pos >= 0).astype(jnp.int32))
+    assert m.shape == (1, 1, 5)
+    assert np.asarray(m)[0, 0].tolist() == [True, True, True, False, False]
