@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.weights import readers, writers
 
 WRITERS = {
@@ -62,7 +63,7 @@ def write_atomically(dst: str | Path, write: Callable[[Path], object]) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llm_jax.convert", description=__doc__,
+    parser = ArgumentParser(prog="python -m llm_jax.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--src", required=True, help="checkpoint directory (llm_jax, HF or OpenAI)")
     parser.add_argument("--dst", required=True, help="output directory")

@@ -18,11 +18,12 @@ from pathlib import Path
 
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.text import TextStream, find_tokenizer, text_decoder
+from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.runtime.malloc import use_preferred_malloc
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m llm_jax.generate", description=__doc__.split(
+    p = ArgumentParser(prog="python -m llm_jax.generate", description=__doc__.split(
         "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", help="llm_jax workdir/checkpoint, Hugging Face directory or "
                    "OpenAI original/ directory")

@@ -143,3 +143,31 @@ def test_a_cycle_and_a_private_import_are_caught():
              "llm_jax.model.b": imports("import llm_jax.model.a", "llm_jax.model.b")}
     assert cycles(graph) == [["llm_jax.model.a", "llm_jax.model.b"]]
     assert private_imports(graph) == ["llm_jax.model.a:1 imports the private llm_jax.model.b._f"]
+
+
+def test_no_test_file_imports_another():
+    """Shared test code lives in tests/helpers.py (and conftest.py fixtures), never in a test."""
+    bad = []
+    for f in sorted(ROOT.glob("tests/**/*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{f.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[-1].startswith(("test_", "conftest"))]
+    assert bad == []
+
+
+def test_a_lazy_import_says_why():
+    """An llm_jax import inside a function is never there to dodge a cycle; one kept for
+    start-up cost says so on its line. (bench/ imports its contenders lazily throughout: each
+    subcommand loads only what it runs.)"""
+    bad = []
+    for f in sorted(PACKAGE.rglob("*.py")):
+        if f.parent.name == "bench":
+            continue
+        lines = f.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and node.col_offset > 0 \
+                    and "llm_jax" in ast.unparse(node) and "#" not in lines[node.lineno - 1]:
+                bad.append(f"{module_name(f)}:{node.lineno}: {ast.unparse(node)}")
+    assert bad == []

@@ -7,7 +7,7 @@ Random weights of configs/tiny.py's model, greedy: llm_jax's on-device decode lo
 (`llm_jax.sample`) against GptOssForCausalLM.generate with eager attention on the same weights.
 Each contender runs in a process of its own (two runtimes in one process slow each other down,
 bench/common.py) and they take turns call by call; and the real cache's bytes against
-describe.kv_cache_bytes at several contexts.
+costs.kv_cache_bytes at several contexts.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
           kv_contexts: Sequence[int] = (128, 512, 2048, 8192), seed: int = 0) -> dict[str, Any]:
     """Prefill time and decode tokens/s (medians of `repeats`) for random weights of `cfg`
     (default: the tiny config), beside transformers' `generate` on the same weights; and the real
-    cache's bytes against describe.kv_cache_bytes at several contexts.
+    cache's bytes against costs.kv_cache_bytes at several contexts.
 
     Every contender (each side's prefill and whole generate call) runs in its own process, and
     all of a batch's contenders take turns, A B C D A B C D (`alternate`), so that the machine's

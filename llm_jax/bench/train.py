@@ -10,7 +10,7 @@ torch.autocast("cpu", dtype=torch.bfloat16). One timed call = `steps` optimizer 
 sides alternate A B A B for `repeats` calls after one warm-up call each, each side in its own
 process (`common.Isolated`: in one process the two runtimes slow each other down); medians are
 reported.
-MFU = tokens/s x describe.flops_per_token / the machine's cached matmul peak of the compute
+MFU = tokens/s x costs.flops_per_token / the machine's cached matmul peak of the compute
 dtype (`llm_jax.runtime.peak.peak_flops`; its source is printed and in the JSON).
 """
 

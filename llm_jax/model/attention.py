@@ -15,6 +15,8 @@ and value are written into their slot and the query attends over the cache).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import chex
 import jax
@@ -98,31 +100,12 @@ class Attention(nnx.Module):
 
     def self_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions_BT: jax.Array,
                     window: jax.Array | int, segment_ids_BT: jax.Array | None) -> jax.Array:
-        """The implementation model/select.py's table names for this backend and shape."""
+        """Self-attention by the implementation model/select.py names for this backend and
+        shape, from the `ATTENTIONS` table; the mask inputs are built here, once."""
         b, t = positions_BT.shape
-        impl, sinks = attention_impl(self.cfg, b, t, t), self.sinks[...]
-        args = (sinks, positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
-        if impl == "splash":  # exact when positions are the index (per segment): checked
-            splash = functools.partial(splash_attend, windows=self.cfg.layer_windows,
-                                       interpret=backend() != "tpu")
-            blockwise = use_blockwise(b, t, t, self.cfg.num_attention_heads)
-            return jax.lax.cond(index_positions(positions_BT, segment_ids_BT),
-                                lambda q, k, v: splash(q, k, v, *args),
-                                lambda q, k, v: self._xla(q, k, v, *args, blockwise=blockwise),
-                                q, k, v)
-        if impl == "flash":  # GPU kernel (Pallas / Triton); interpreted elsewhere
-            return flash_attend(q, k, v, *args, interpret=backend() != "gpu")
-        return self._xla(q, k, v, *args, blockwise=impl == "blockwise")
-
-    @staticmethod
-    def _xla(q, k, v, sinks, q_positions, kv_positions, window, q_segments, kv_segments, *,
-             blockwise: bool) -> jax.Array:
-        """The plain-JAX paths: blockwise (memory linear in T, for long T) or direct."""
-        if blockwise:
-            return blockwise_attend(q, k, v, sinks, q_positions, kv_positions, window,
-                                    q_segments, kv_segments)
-        mask = attention_mask(q_positions, kv_positions, window, q_segments, kv_segments)
-        return attend(q, k, v, sinks, mask)
+        mask = MaskInputs(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
+        impl = ATTENTIONS[attention_impl(self.cfg, b, t, t)]
+        return impl(q, k, v, self.sinks[...], mask, self.cfg)
 
     def decode(self, q_B1NH: jax.Array, k_B1KH: jax.Array, v_B1KH: jax.Array,
                positions_B: jax.Array, window: jax.Array | int,
@@ -136,3 +119,60 @@ class Attention(nnx.Module):
         o = attend_heads_major(q_B1NH, cache.k.astype(cdt), cache.v.astype(cdt),
                                self.sinks[...], mask)
         return o, cache
+
+
+# ---------------------------------------------------------------------------------------------
+# The table: every self-attention implementation, one signature. Each computes
+# `attend(q, k, v, sinks, attention_mask(*mask))` and is tested against it (tests/model,
+# tests/kernels); model/select.py says which one a call runs.
+
+
+class MaskInputs(NamedTuple):
+    """What decides which keys a query sees (`attention_mask`'s inputs), built once per call."""
+
+    q_positions_BT: jax.Array
+    kv_positions_BS: jax.Array
+    window: jax.Array | int  # 0: no window
+    q_segment_ids_BT: jax.Array | None  # None: one document per row; 0 marks padding
+    kv_segment_ids_BS: jax.Array | None
+
+
+# (q [B,T,N,H], k, v [B,S,K,H], sinks [N], mask inputs, config) -> [B, T, N, H]
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, MaskInputs, ModelConfig],
+                       jax.Array]
+
+
+def _direct(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
+    """The reference itself: the whole [B, T, S] mask and scores."""
+    return attend(q, k, v, sinks, attention_mask(*mask))
+
+
+def _blockwise(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
+    """Block-sparse, memory linear in T (model/blockwise_attention.py)."""
+    return blockwise_attend(q, k, v, sinks, *mask)
+
+
+def _splash(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
+    """Pallas splash on TPU (interpreted elsewhere). Exact when positions are the index (per
+    segment), which is checked at run time; otherwise the plain-JAX path of this shape."""
+    b, t = mask.q_positions_BT.shape
+    fallback = _blockwise if use_blockwise(b, t, t, cfg.num_attention_heads) else _direct
+    splash = functools.partial(splash_attend, windows=cfg.layer_windows,
+                               interpret=backend() != "tpu")
+    return jax.lax.cond(index_positions(mask.q_positions_BT, mask.q_segment_ids_BT),
+                        lambda q, k, v: splash(q, k, v, sinks, *mask),
+                        lambda q, k, v: fallback(q, k, v, sinks, mask, cfg),
+                        q, k, v)
+
+
+def _flash(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
+    """Pallas flash attention for GPU (Triton); interpreted elsewhere."""
+    return flash_attend(q, k, v, sinks, *mask, interpret=backend() != "gpu")
+
+
+ATTENTIONS: dict[str, AttentionFn] = {
+    "direct": _direct,
+    "blockwise": _blockwise,
+    "splash": _splash,
+    "flash": _flash,
+}

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.model.kv_cache import layer_slots
 from llm_jax.model.moe_dispatch import capacity
 from llm_jax.model.transformer import abstract_model
 from llm_jax.parallel.sharding import logical_to_spec, spec_axes
@@ -179,8 +180,8 @@ def flops_formula(cfg: ModelConfig, seq_len: int) -> str:
 
 def kv_cache_lengths(cfg: ModelConfig, max_len: int) -> tuple[int, ...]:
     """Entries each layer's cache holds for `max_len` positions: min(max_len, W) on sliding
-    layers (a ring buffer of the last W), max_len on full layers."""
-    return tuple(min(max_len, w) if w > 0 else max_len for w in cfg.layer_windows)
+    layers (a ring buffer of the last W), max_len on full layers: the cache's own slots."""
+    return tuple(layer_slots(cfg, i, max_len) for i in range(cfg.num_hidden_layers))
 
 
 def kv_cache_bytes(

@@ -4,7 +4,7 @@ Shapes: L layers, B batch, K kv heads, S cache slots of a layer, H head_dim, W s
 
 Each layer has its own `LayerCache` of S slots, a ring: position p lives in slot p % S. A full
 layer has S = max_len, so its slot is its position; a sliding layer keeps only the last
-S = min(max_len, W) positions it can still see (what `describe.kv_cache_bytes` prices). A slot's
+S = min(max_len, W) positions it can still see (what `costs.kv_cache_bytes` prices). A slot's
 position is never stored: for a sequence whose newest position is q, slot s holds
 q - ((q - s) mod S), or nothing if that is negative.
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 # Imported with the model, never first during a trace: importing Pallas' TPU module adds a value
 # to JAX's trace context (jax 0.12), so a first import inside the first step's trace made every
-# jitted step miss its cache on the second call and compile again (tests/test_compile_cache.py).
+# jitted step miss its cache on the second call and compile again (tests/training/test_compile_cache.py).
 import jax.experimental.pallas.tpu  # noqa: F401
 
 from llm_jax.config import ModelConfig

@@ -202,7 +202,7 @@ def state_shardings(state: Any, mesh: Mesh, rules=RULES):
 
     Works on any pytree holding nnx Variables: params, and the optimizer state built from them
     (optax's `tree_map`s over an nnx.State keep each Variable and its metadata, so Adam's m and
-    v get exactly their param's sharding; tests/test_sharding.py checks it). Other leaves (step,
+    v get exactly their param's sharding; tests/parallel/test_sharding.py checks it). Other leaves (step,
     Adam's count) are replicated.
     """
 

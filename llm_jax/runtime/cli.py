@@ -3,12 +3,13 @@ names it (`llm_jax.train: error: --config.train.num_stpes: ...`), exit status 2,
 
 The command lines with a run config (`train`, `describe`, `compile`) parse with absl and
 ml_collections' `--config` file flag, through `parse_flags(prog)`; the others (`generate`,
-`convert`, `export`) with argparse, whose errors are already one line; all of them report a bad
-value through `fail`.
+`convert`, `export`, `bench`) with this module's `ArgumentParser`, argparse's with the same
+one-line errors; all of them report a bad value through `fail`.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -23,6 +24,14 @@ def fail(prog: str, error: object) -> NoReturn:
     message = " ".join(str(error).split())
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a bad flag or value is one line naming it (`fail`), not the usage
+    text and then the error."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog.removeprefix("python -m "), message)
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:

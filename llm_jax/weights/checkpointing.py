@@ -11,12 +11,12 @@ Crash safety (docs/reliability.md): a training run reports and removes the tempo
 directories a killed save left behind. Once a save has finished, process 0 writes
 `llm_jax_sha256.json` into the step's folder (size and sha256 of every file, hashed in a
 background thread); before a step is restored it is checked against it, and a step that fails
-(a truncated, zeroed or missing file) is named with the file, moved to
-WORKDIR/corrupt_checkpoints/ and the previous one is used instead. A step without the manifest
-(killed between the save and the manifest) is restored unverified, with a warning; one that then
-fails with a read error is treated as corrupt too. Any other failure (llm_jax.weights.restore_check: a
-changed train state tree, memory, a bug) raises `RestoreError` and moves nothing, and a workdir
-left with quarantined steps and none that restores is not trained again from step 0 unless
+(a truncated, zeroed or missing file) is named with the file, moved to WORKDIR/corrupt_checkpoints/
+and the previous one is used instead. A step without the manifest (killed between the save and the
+manifest) is restored unverified, with a warning; one that then fails with a read error is treated
+as corrupt too. Any other failure (llm_jax.weights.restore_check: a changed train state tree,
+memory, a bug) raises `RestoreError` and moves nothing, and a workdir left with quarantined steps
+and none that restores is not trained again from step 0 unless
 `checkpoint.allow_fresh_start` says so.
 """
 
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import hashlib
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -40,10 +38,10 @@ from flax import nnx
 from llm_jax.config import EXECUTION_FIELDS, ModelConfig
 from llm_jax.model import abstract_model
 from llm_jax.parallel import distributed
+from llm_jax.weights.manifest import MANIFEST, verify_manifest, write_manifest
 from llm_jax.weights.restore_check import (
     CORRUPT,
     RESTORED,
-    RestoreError,
     incompatibility,
     judge,
     stop_error,
@@ -51,7 +49,6 @@ from llm_jax.weights.restore_check import (
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
-MANIFEST = "llm_jax_sha256.json"
 TMP_MARKER = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being written
 
 
@@ -60,75 +57,6 @@ def tmp_leftovers(directory: str) -> list[str]:
     if not os.path.isdir(directory):
         return []
     return sorted(os.path.join(directory, n) for n in os.listdir(directory) if TMP_MARKER in n)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(step_dir: str) -> list[str]:
-    out = []
-    for root, _, names in os.walk(step_dir):
-        out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names]
-    return sorted(f for f in out if f != MANIFEST and not f.endswith(".tmp"))
-
-
-def write_manifest(step_dir: str) -> None:
-    """Writes the step's checksum manifest (atomically: a reader never sees half of it)."""
-    try:
-        files = {f: [os.path.getsize(os.path.join(step_dir, f)), _sha256(os.path.join(step_dir, f))]
-                 for f in _files(step_dir)}
-        tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"format": 1, "algorithm": "sha256", "files": files}, f)
-        os.replace(tmp, os.path.join(step_dir, MANIFEST))
-    except FileNotFoundError:  # garbage-collected (max_to_keep) while being hashed: no step
-        return
-
-
-def _manifest_files(path: str) -> dict[str, tuple[int, str]] | str:
-    """{file: (size, sha256)} from a manifest, or what is wrong with it."""
-    try:
-        with open(path, "rb") as f:
-            files = json.loads(f.read())["files"]
-        out = {rel: (size, digest) for rel, (size, digest) in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        return f"its manifest {MANIFEST} is unreadable ({type(e).__name__}: {e})"
-    if not all(isinstance(r, str) and type(s) is int and isinstance(d, str)
-               for r, (s, d) in out.items()):
-        return f"its manifest {MANIFEST} is unreadable (entries are not [size, sha256])"
-    return out
-
-
-def verify_manifest(step_dir: str) -> str | None:
-    """What is wrong with the step's files by its manifest, or None if they match.
-    Raises FileNotFoundError if the step has no manifest."""
-    path = os.path.join(step_dir, MANIFEST)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(path)
-    files = _manifest_files(path)
-    if isinstance(files, str):
-        return files
-    for rel, (size, digest) in files.items():
-        path = os.path.join(step_dir, rel)
-        if not os.path.isfile(path):
-            return f"file {rel} is missing"
-        actual = os.path.getsize(path)
-        if actual != size:
-            return f"file {rel} has {actual} bytes, {size} when saved (truncated or overwritten)"
-        try:
-            if _sha256(path) != digest:
-                return f"file {rel} does not match its sha256 from the save (corrupted)"
-        except PermissionError as e:  # not corruption: moving the step would not help
-            raise RestoreError(f"{path} cannot be read to check its sha256: {e}; nothing was "
-                               "moved: fix its permissions and rerun") from e
-        except OSError as e:  # an I/O error reading it back is evidence enough
-            return f"file {rel} does not read back ({e})"
-    return None
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -140,10 +68,10 @@ class _Manager(ocp.CheckpointManager):
 
     Orbax calls `reached_preemption_sync_point(step)` with the step it saves, in `save` and again
     from its finalize thread steps later. The sync manager keeps the last value it was given, so
-    that call sets it back; a preemption notice handled then picks a sync point the train loop
-    has already passed, and every process trains on past the preemption. The loop is the only
-    caller (llm_jax.training.preemption.StopRequest); here the answer only fed Orbax's metrics and logs.
-    We always save with `force=True`, so `should_save` never needs it."""
+    that call sets it back; a preemption notice handled then picks a sync point the train loop has
+    already passed, and every process trains on past the preemption. The loop is the only caller
+    (llm_jax.training.preemption.StopRequest); here the answer only fed Orbax's metrics and logs. We
+    always save with `force=True`, so `should_save` never needs it."""
 
     def reached_preemption(self, step: int) -> bool:
         return False

@@ -10,9 +10,9 @@ config attached (`model.cfg`):
   with `block.N.*` names, fused qkv, MoE weights (E, out, in), plain or MXFP4
   (`*.blocks` / `*.scales`).
   A directory holding only an `original/` subdirectory is read from there.
-Layouts and names: layouts.py and docs/model.md, "Checkpoints"; writing: writers.py. Only safetensors are read; pickles are
-refused. Weights are filled into an abstract model (`nnx.eval_shape`), so nothing is randomly
-initialised.
+Layouts and names: layouts.py and docs/model.md, "Checkpoints"; writing: writers.py. Only
+safetensors are read; pickles are refused. Weights are filled into an abstract model
+(`nnx.eval_shape`), so nothing is randomly initialised.
 
 Hostile files (docs/reliability.md): every safetensors header is validated field by field before
 any tensor is read (llm_jax.weights.safetensors_header), config.json fields are checked for type and

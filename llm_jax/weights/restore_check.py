@@ -1,7 +1,7 @@
 """Why a checkpoint step did not restore: corruption, or something that moving it cannot fix.
 
-Only evidence of corruption justifies moving a step aside (llm_jax.weights.checkpointing): a file that
-does not match the sha256 manifest written at save time, or, for a step without a manifest, a
+Only evidence of corruption justifies moving a step aside (llm_jax.weights.checkpointing): a file
+that does not match the sha256 manifest written at save time, or, for a step without a manifest, a
 read error (a truncated, undecodable or missing file). Everything else, a tree that differs from
 this run's (a code change that adds optimizer state, e.g. an EMA), another shape or dtype, memory,
 a bug, stops the run with `RestoreError` and moves nothing: the step is good, the run is not.

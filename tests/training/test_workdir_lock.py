@@ -8,13 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, small_cfg
 
 from llm_jax.training.workdir_lock import LOCK_FILE, WorkdirInUse, WorkdirLock
 
-ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """
 import sys, time
 from llm_jax.training.workdir_lock import WorkdirLock
@@ -25,8 +24,6 @@ time.sleep(120)
 
 
 def test_second_training_run_is_refused_naming_the_holder(corpus_dir, tmp_path):
-    from test_reliability import _small_cfg
-
     from llm_jax.training.loop import train
 
     workdir = tmp_path / "run"
@@ -35,7 +32,7 @@ def test_second_training_run_is_refused_naming_the_holder(corpus_dir, tmp_path):
     first.acquire()  # stands for a run in progress (flock is per open file: this process too)
     try:
         with pytest.raises(WorkdirInUse) as e:
-            train(_small_cfg(corpus_dir), str(workdir))
+            train(small_cfg(corpus_dir), str(workdir))
     finally:
         first.release()
     msg = str(e.value)

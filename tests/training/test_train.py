@@ -8,14 +8,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_reliability import SHUFFLE_BUFFER_TOKENS, SMALL_MODEL, SMALL_MODEL_OVERRIDES, _small_cfg
+from helpers import ROOT, SHUFFLE_BUFFER_TOKENS, SMALL_MODEL, SMALL_MODEL_OVERRIDES, small_cfg
 
 from llm_jax.parallel.sharding import make_mesh
 from llm_jax.training.loop import train
@@ -23,11 +22,9 @@ from llm_jax.training.run_config import model_config
 from llm_jax.training.step import compile_steps, decay_mask, learning_rate_schedule
 from llm_jax.weights.checkpointing import Checkpointer, restore_params
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def small_run_config(corpus_dir: str, num_steps: int = 6):
-    return _small_cfg(corpus_dir, num_steps, checkpoint_every=3, eval_every_steps=3,
+    return small_cfg(corpus_dir, num_steps, checkpoint_every=3, eval_every_steps=3,
                       eval_batches=2)
 
 

@@ -21,37 +21,28 @@ import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import (
+    EVERY,
+    NUM_STEPS,
+    OVERRIDES,
+    ROOT,
+    SMALL_MODEL,
+    complete_steps,
+    read_records,
+    saved_params,
+    small_cfg,
+)
 
-from llm_jax.config import ModelConfig
 from llm_jax.parallel.sharding import make_mesh
 from llm_jax.training import step as train_step
 from llm_jax.training.loop import train
-from llm_jax.training.run_config import default_run_config, model_config, validate_run_config
+from llm_jax.training.run_config import model_config, validate_run_config
 from llm_jax.training.step import compile_steps
-from llm_jax.weights.checkpointing import MANIFEST, Checkpointer, restore_params, tmp_leftovers
+from llm_jax.weights.checkpointing import Checkpointer, restore_params, tmp_leftovers
+from llm_jax.weights.manifest import MANIFEST
 from llm_jax.weights.restore_check import RestoreError
 
-ROOT = Path(__file__).resolve().parents[1]
-NUM_STEPS, EVERY = 24, 4
 RNG = np.random.default_rng(8)  # issue 8: the kill points are random, and reproducible
-
-# 16 rows of 32: the default 1M-token buffer would tokenize this corpus ~100 times per start.
-SHUFFLE_BUFFER_TOKENS = 16 * 32
-# The suite's small model: in process as a ModelConfig, on the command line as the overrides of
-# configs/tiny.py below (the fields where the two differ).
-SMALL_MODEL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=384,
-                          hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=4,
-                          num_key_value_heads=2, sliding_window=8)
-SMALL_MODEL_OVERRIDES = {f"model.{k}": getattr(SMALL_MODEL, k) for k in (
-    "num_hidden_layers", "num_experts", "hidden_size", "intermediate_size", "head_dim",
-    "vocab_size")}
-OVERRIDES = {
-    **SMALL_MODEL_OVERRIDES, "data.seq_len": 32, "data.validation_fraction": 0.2,
-    "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS, "train.batch_size": 4,
-    "train.num_steps": NUM_STEPS, "train.warmup_steps": 2, "train.log_every_steps": 1,
-    "train.eval_every_steps": 0, "train.num_samples": 0, "train.peak_flops": 1e11,
-    "checkpoint.every_steps": EVERY, "checkpoint.max_to_keep": 10,
-}
 
 
 def _cmd(workdir: Path, corpus_dir: str, **extra) -> list[str]:
@@ -96,30 +87,17 @@ class Run:
         return rc
 
 
-def _complete_steps(workdir: Path) -> list[int]:
-    d = workdir / "checkpoints"
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if d.exists() else []
-
-
 def _resumed_from(text: str) -> int | None:
     m = re.search(r"resumed from step (\d+)", text)
     return int(m.group(1)) if m else None
 
 
-def _params(workdir: Path):
-    return [np.asarray(x) for x in jax.tree.leaves(restore_params(str(workdir))[1])]
-
-
-def _records(workdir: Path) -> list[dict]:
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _same_run(a: Path, b: Path) -> None:
     """Bitwise equal final params, and the same loss at every step."""
-    for x, y in zip(_params(a), _params(b), strict=True):
+    for x, y in zip(saved_params(a), saved_params(b), strict=True):
         np.testing.assert_array_equal(x, y)
-    assert [(r["step"], r["loss"]) for r in _records(a)] == \
-        [(r["step"], r["loss"]) for r in _records(b)]
+    assert [(r["step"], r["loss"]) for r in read_records(a)] == \
+        [(r["step"], r["loss"]) for r in read_records(b)]
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +105,9 @@ def reference(corpus_dir, tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("reference") / "run"
     run = Run(workdir, corpus_dir, "straight")
     assert run.finish() == 0, run.text()[-3000:]
-    assert _complete_steps(workdir) == list(range(EVERY, NUM_STEPS + 1, EVERY))
+    assert complete_steps(workdir) == list(range(EVERY, NUM_STEPS + 1, EVERY))
     assert all((workdir / "checkpoints" / str(s) / MANIFEST).exists()
-               for s in _complete_steps(workdir))
+               for s in complete_steps(workdir))
     return workdir
 
 
@@ -148,7 +126,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     time.sleep(RNG.uniform(1.0, 4.0))
     run.proc.send_signal(signal.SIGKILL)
     assert run.finish() == -signal.SIGKILL
-    assert _complete_steps(workdir) == []
+    assert complete_steps(workdir) == []
 
     # 2. A random step. The restart resumes from the newest complete checkpoint.
     kill_at = int(RNG.integers(EVERY + 1, 3 * EVERY))
@@ -159,7 +137,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     run.proc.send_signal(signal.SIGKILL)
     assert run.finish() == -signal.SIGKILL
     # Saves are asynchronous: the newest one may still have been in flight (a tmp folder).
-    saved = _complete_steps(workdir)
+    saved = complete_steps(workdir)
     base = saved[-1] if saved else 0
     assert base <= run.last_step() and all(s % EVERY == 0 for s in saved)
 
@@ -171,7 +149,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     assert _resumed_from(run.text()) == (base or None)  # no step lost beyond the last checkpoint
     assert [os.path.basename(p) for p in tmp_leftovers(str(workdir / "checkpoints"))] == \
         [f"{save_at}.orbax-checkpoint-tmp"]
-    saved = _complete_steps(workdir)
+    saved = complete_steps(workdir)
     assert saved[-1] == save_at - EVERY
 
     # 4. SIGTERM at a random step between checkpoints: finish it, save it, exit 143.
@@ -185,7 +163,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     assert _resumed_from(text) == saved[-1]
     assert tmp_leftovers(str(workdir / "checkpoints")) == []
     stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", text).group(1))
-    assert stopped >= term_at and _complete_steps(workdir)[-1] == stopped
+    assert stopped >= term_at and complete_steps(workdir)[-1] == stopped
     assert run.last_step() == stopped  # not one step lost
     assert (workdir / "checkpoints" / str(stopped) / MANIFEST).exists()
 
@@ -199,7 +177,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     assert run.finish() == 128 + signal.SIGINT
     assert _resumed_from(run.text()) == stopped
     assert "second signal SIGINT: exiting now" in run.text()
-    good = _complete_steps(workdir)
+    good = complete_steps(workdir)
 
     run = Run(workdir, corpus_dir, "6-finish")
     assert run.finish() == 0, run.text()[-3000:]
@@ -221,7 +199,7 @@ def test_corrupted_checkpoint_is_named_and_the_previous_one_used(reference, corp
     # A reader (load_pretrained) reports it and takes the previous step; asked for it, refuses.
     with pytest.raises(ValueError, match=rf"step {NUM_STEPS} .* corrupt: file params/.*sha256"):
         restore_params(str(workdir), NUM_STEPS)
-    assert _complete_steps(workdir)[-1] == NUM_STEPS  # a reader moves nothing
+    assert complete_steps(workdir)[-1] == NUM_STEPS  # a reader moves nothing
 
     run = Run(workdir, corpus_dir, "corrupt")
     assert run.finish() == 0, run.text()[-3000:]
@@ -245,8 +223,8 @@ def test_injected_nan_stops_the_cli_at_that_step_and_saves_nothing_after(corpus_
     assert (f"FloatingPointError: non-finite loss or gradients at step {nan_at}: training "
             f"stopped and nothing after step {2 * EVERY} was saved. Last good checkpoint: step "
             f"{2 * EVERY}") in text
-    assert _complete_steps(workdir) == [EVERY, 2 * EVERY]
-    for s in _complete_steps(workdir):
+    assert complete_steps(workdir) == [EVERY, 2 * EVERY]
+    for s in complete_steps(workdir):
         _, params, _ = restore_params(str(workdir), s)
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
@@ -254,27 +232,11 @@ def test_injected_nan_stops_the_cli_at_that_step_and_saves_nothing_after(corpus_
 # ---------------------------------------------------------------- in-process: cheaper checks
 
 
-def _small_cfg(corpus_dir: str, num_steps: int = 8, checkpoint_every: int = EVERY,
-               **train) -> ml_collections.ConfigDict:
-    """The run config of SMALL_MODEL on `corpus_dir`, synchronous checkpoints; `train` overrides
-    the train section."""
-    cfg = default_run_config("small", SMALL_MODEL)
-    cfg.data.files = os.path.join(corpus_dir, "*")
-    cfg.data.validation_fraction = 0.2
-    cfg.data.seq_len = 32
-    cfg.data.shuffle_buffer_tokens = SHUFFLE_BUFFER_TOKENS
-    cfg.train.update({**dict(num_steps=num_steps, batch_size=4, warmup_steps=2, learning_rate=1e-2,
-                             log_every_steps=1, eval_every_steps=0, num_samples=0,
-                             peak_flops=1e11), **train})
-    cfg.checkpoint.update(every_steps=checkpoint_every, async_save=False)
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def small_run(corpus_dir, tmp_path_factory) -> Path:
     """8 steps of the small model: checkpoints 4 and 8, each with its manifest. Copy it."""
     workdir = tmp_path_factory.mktemp("small") / "run"
-    train(_small_cfg(corpus_dir), str(workdir))
+    train(small_cfg(corpus_dir), str(workdir))
     return workdir
 
 
@@ -290,7 +252,7 @@ def _zero_biggest(step_dir: Path) -> None:
 
 
 def test_skipped_nonfinite_update_keeps_params_and_moments_bitwise():
-    cfg = _small_cfg("unused", inject_nan_at_step=1, skip_nonfinite_updates=True)
+    cfg = small_cfg("unused", inject_nan_at_step=1, skip_nonfinite_updates=True)
     steps = compile_steps(model_config(cfg), cfg.train, make_mesh(), seed=0)
     before = jax.device_get(steps.init())
     after, metrics = steps.train(steps.init(), {k: np.ones((4, 32), np.int32)
@@ -305,8 +267,8 @@ def test_skipped_nonfinite_update_keeps_params_and_moments_bitwise():
 
 def test_skip_mode_counts_the_skip_and_saves_finite_params(corpus_dir, tmp_path):
     workdir = str(tmp_path / "run")
-    train(_small_cfg(corpus_dir, inject_nan_at_step=3, skip_nonfinite_updates=True), workdir)
-    records = {r["step"]: r for r in _records(Path(workdir))}
+    train(small_cfg(corpus_dir, inject_nan_at_step=3, skip_nonfinite_updates=True), workdir)
+    records = {r["step"]: r for r in read_records(Path(workdir))}
     assert np.isnan(records[3]["loss"]) and records[3]["skipped_updates"] == 1
     assert records[2]["skipped_updates"] == 0 and records[8]["skipped_updates"] == 1
     assert np.isfinite(records[8]["loss"])
@@ -328,7 +290,7 @@ def test_truncated_checkpoint_file_is_named_and_reader_falls_back(small_run, tmp
 
 def test_config_unknown_field_wrong_type_and_conflicts_are_named(corpus_dir, tmp_path):
     def bad(section, key, value):
-        d = _small_cfg(corpus_dir).to_dict()
+        d = small_cfg(corpus_dir).to_dict()
         d[section][key] = value
         return ml_collections.ConfigDict(d)  # a config file may build any dict
 
@@ -347,7 +309,7 @@ def test_config_unknown_field_wrong_type_and_conflicts_are_named(corpus_dir, tmp
             validate_run_config(cfg)
     # Refused before anything in the workdir is touched: its checkpoints stay.
     workdir = str(tmp_path / "run")
-    train(_small_cfg(corpus_dir, num_steps=4), workdir)
+    train(small_cfg(corpus_dir, num_steps=4), workdir)
     before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
     with pytest.raises(ValueError, match="every_steps=0"):
         train(bad("checkpoint", "every_steps", 0), workdir)
@@ -382,10 +344,10 @@ def test_hostile_corpus_files_are_skipped_by_name_and_training_runs(corpus_dir, 
     (corpus / "empty.py").write_bytes(b"")
     (corpus / "blob.bin").write_bytes(bytes(range(256)) * 8)
     (corpus / "latin1.txt").write_bytes("caf\xe9 na\xefve\n".encode("latin-1") * 50)
-    cfg = _small_cfg(str(corpus), num_steps=2)
+    cfg = small_cfg(str(corpus), num_steps=2)
     train(cfg, str(tmp_path / "run"))
     assert "empty.py: it is empty" in caplog.text  # found at start-up, from its size
-    assert _complete_steps(tmp_path / "run") == [2]
+    assert complete_steps(tmp_path / "run") == [2]
     # Files are read in place, as the pipeline reaches them: undecodable text is named then.
     from llm_jax.data import DataConfig
     from llm_jax.data.sources import open_text_splits
@@ -422,12 +384,12 @@ def test_changed_optimizer_state_stops_the_run_and_moves_nothing(small_run, corp
     monkeypatch.setattr(train_step, "make_optimizer",
                         lambda tc: optax.chain(plain(tc), optax.ema(0.99)))
     with pytest.raises(RestoreError) as e:
-        train(_small_cfg(corpus_dir), str(workdir))
+        train(small_cfg(corpus_dir), str(workdir))
     msg = str(e.value)
     assert f"checkpoint step 8 in {workdir / 'checkpoints'} does not fit" in msg
     assert "array(s) only in this run (e.g. opt_state.opt_state." in msg
     assert "nothing was moved" in msg
-    assert _complete_steps(workdir) == [4, 8] and not (workdir / "corrupt_checkpoints").exists()
+    assert complete_steps(workdir) == [4, 8] and not (workdir / "corrupt_checkpoints").exists()
     _same_run(small_run, workdir)  # every step and its params still there, bitwise
 
 
@@ -451,13 +413,13 @@ def test_a_failure_that_is_no_corruption_moves_nothing(small_run, tmp_path):
     ckpt = Checkpointer(str(workdir), async_save=False)
     with pytest.raises(RestoreError, match=r"step 8 .*TypeError.*no checksum manifest"):
         ckpt.first_restorable(fail(TypeError("a bug")), move_bad=True)
-    assert _complete_steps(workdir) == [4, 8]
+    assert complete_steps(workdir) == [4, 8]
     _zero_biggest(workdir / "checkpoints" / "8")
     step, _ = ckpt.first_restorable(ckpt.restore_progress, move_bad=True)
     assert step == 8  # the zeroed params are not read by this restore: no evidence yet
     step, params = ckpt.first_restorable(
         lambda s: restore_params(str(workdir), s), move_bad=True)
-    assert step == 4 and _complete_steps(workdir) == [4]  # a read error: moved aside
+    assert step == 4 and complete_steps(workdir) == [4]  # a read error: moved aside
     assert (workdir / "corrupt_checkpoints" / "8").is_dir()
     ckpt.close()
 
@@ -469,13 +431,13 @@ def test_quarantined_workdir_is_not_restarted_from_step_0_unless_asked(small_run
         _zero_biggest(workdir / "checkpoints" / str(step))
     for attempt in range(2):  # this run quarantines them; the next one finds them moved
         with pytest.raises(ValueError, match="corrupt_checkpoints/ holds") as e:
-            train(_small_cfg(corpus_dir), str(workdir))
+            train(small_cfg(corpus_dir), str(workdir))
         assert "['4', '8']" in str(e.value) and "allow_fresh_start=True" in str(e.value)
-        assert _complete_steps(workdir) == []
-    before = [(r["step"], r["loss"]) for r in _records(workdir)]
-    cfg = _small_cfg(corpus_dir)
+        assert complete_steps(workdir) == []
+    before = [(r["step"], r["loss"]) for r in read_records(workdir)]
+    cfg = small_cfg(corpus_dir)
     cfg.checkpoint.allow_fresh_start = True
     train(cfg, str(workdir))
-    assert _complete_steps(workdir) == [4, 8]
+    assert complete_steps(workdir) == [4, 8]
     assert sorted(os.listdir(workdir / "corrupt_checkpoints")) == ["4", "8"]  # still kept
-    assert [(r["step"], r["loss"]) for r in _records(workdir)] == before  # redone, the same
+    assert [(r["step"], r["loss"]) for r in read_records(workdir)] == before  # redone, the same

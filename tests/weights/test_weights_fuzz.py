@@ -25,7 +25,7 @@ import numpy as np
 
 SEED, CASES = 16, 320
 HEADROOM, MAX_SECONDS = 2 * 2**30, 5
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CFG = dict(num_hidden_layers=2, num_experts=2, experts_per_token=1, vocab_size=32,
                   hidden_size=16, intermediate_size=16, head_dim=8, num_attention_heads=2,
                   num_key_value_heads=1, sliding_window=4, rope_theta=10000.0)

@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))
 
+# FAST_XLA: cheap compiles, the same for every run.
+from helpers import FAST_XLA, OVERRIDES, ROOT, complete_steps, read_records, saved_params  # noqa: E402
 from local import free_port  # noqa: E402
-from test_distributed import FAST_XLA  # noqa: E402  (cheap compiles; the same for every run)
-from test_reliability import OVERRIDES, ROOT, _complete_steps, _params, _records  # noqa: E402
 
 from llm_jax.weights.checkpointing import tmp_leftovers  # noqa: E402
 
@@ -63,7 +63,7 @@ class Job:
     def wait_for_step(self, step: int, timeout: float = 240) -> None:
         path, deadline = self.workdir / "metrics.jsonl", time.monotonic() + timeout
         while not (path.exists() and "] model: " in self.text()
-                   and any(r["step"] >= step for r in _records(self.workdir))):
+                   and any(r["step"] >= step for r in read_records(self.workdir))):
             assert all(p.poll() is None for p in self.procs), self.text()[-3000:]
             assert time.monotonic() < deadline, self.text()[-3000:]
             time.sleep(0.01)
@@ -89,7 +89,7 @@ class Job:
 def _preempt(workdir: Path, corpus_dir: str, name: str, signalled: list[int]) -> int:
     """Runs (or resumes) the job, SIGTERMs the processes `signalled` a few steps after it
     started training, and checks that both saved the same step; returns that step."""
-    done = _complete_steps(workdir)
+    done = complete_steps(workdir)
     job = Job(workdir, corpus_dir, name)
     at = (done[-1] if done else 0) + int(RNG.integers(1, 2 * LOG_EVERY))
     job.wait_for_step(at)
@@ -98,12 +98,12 @@ def _preempt(workdir: Path, corpus_dir: str, name: str, signalled: list[int]) ->
     assert job.finish() == [128 + signal.SIGTERM] * 2, [job.text(i)[-2000:] for i in range(2)]
     step = job.stopped_at()
     assert step >= at
-    assert _complete_steps(workdir)[-1] == step and not tmp_leftovers(
+    assert complete_steps(workdir)[-1] == step and not tmp_leftovers(
         str(workdir / "checkpoints"))
     data = workdir / "checkpoints" / str(step) / "data"
     assert sorted(p.name for p in data.iterdir() if p.suffix == ".json") == \
         ["process_0-of-2.json", "process_1-of-2.json"]  # both data iterators, one step
-    assert max(r["step"] for r in _records(workdir)) > step - LOG_EVERY  # nothing logged lost
+    assert max(r["step"] for r in read_records(workdir)) > step - LOG_EVERY  # nothing logged lost
     if done:
         assert f"resumed from step {done[-1]}" in job.text()
     return step
@@ -119,11 +119,11 @@ def test_sigterm_to_one_process_and_to_all_then_resume_equals_an_uninterrupted_r
 
     reference = Job(tmp_path / "reference", corpus_dir, "straight", num_steps=second)
     assert reference.finish() == [0, 0], reference.text()[-3000:]
-    assert _complete_steps(tmp_path / "reference") == [second]
-    for a, b in zip(_params(tmp_path / "reference"), _params(workdir), strict=True):
+    assert complete_steps(tmp_path / "reference") == [second]
+    for a, b in zip(saved_params(tmp_path / "reference"), saved_params(workdir), strict=True):
         np.testing.assert_array_equal(a, b)  # the params at the second preemption, bitwise
     # Every step both logged has the same loss (a resumed run also logs its first step).
-    ref = {r["step"]: r["loss"] for r in _records(tmp_path / "reference")}
-    run = {r["step"]: r["loss"] for r in _records(workdir)}
+    ref = {r["step"]: r["loss"] for r in read_records(tmp_path / "reference")}
+    run = {r["step"]: r["loss"] for r in read_records(workdir)}
     common = set(ref) & set(run)
     assert len(common) >= second // LOG_EVERY and all(run[s] == ref[s] for s in common)

@@ -16,16 +16,15 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # helpers, as a script too
 
-from test_sharding import EIGHT_DEVICES  # noqa: E402
+from helpers import EIGHT_DEVICES, FAST_XLA, batches, tiny_model, tiny_train  # noqa: E402
 
 # The same (2, 1, 2, 2) layout both ways: one process with data=2 inside it, or two processes
 # with data split across them (dcn_data=2, the hybrid mesh) and tensor x expert inside each.
 SINGLE = {"mesh": {"data": 2, "fsdp": 1, "tensor": 2, "expert": 2}, "dcn": {}}
 MULTI = {"mesh": {"data": 1, "fsdp": 1, "tensor": 2, "expert": 2}, "dcn": {"data": 2}}
-FAST_XLA = EIGHT_DEVICES.replace("--xla_force_host_platform_device_count=8 ", "")
 
 
 def _run(cmd, env_extra, timeout=300):
@@ -72,7 +71,6 @@ def test_multi_process_checkpoint_restores_on_another_mesh(runs, target):
 
 
 def _setup(mesh_spec):
-    from test_sharding import tiny_model, tiny_train
 
     from llm_jax.parallel import sharding as sh
 
@@ -85,7 +83,6 @@ def worker_train(workdir: str, mesh_json: str) -> None:
 
     info = distributed.initialize()  # from the launcher's environment
     import jax
-    from test_sharding import batches
 
     from llm_jax.training.step import compile_steps
     from llm_jax.weights.checkpointing import Checkpointer

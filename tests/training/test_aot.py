@@ -15,7 +15,7 @@ import pytest
 
 from llm_jax.training import aot
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--config.model.num_hidden_layers=2", "--config.model.num_experts=8",
         "--config.model.hidden_size=64", "--config.model.intermediate_size=64",
         "--config.model.head_dim=16", "--config.model.vocab_size=256", "--seq_len=32",

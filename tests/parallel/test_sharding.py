@@ -18,42 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llm_jax.parallel import sharding as sh
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # helpers, as
+# a script too
+
+from helpers import EIGHT_DEVICES, batches, tiny_model, tiny_train  # noqa: E402
+
+from llm_jax.parallel import sharding as sh  # noqa: E402
 
 # (data, fsdp, tensor, expert); the ISSUE's list.
-# Eight CPU devices; XLA's cheapest CPU codegen, since these programs are compiled once and run
-# three times (halves the compile time; the numerics are the same IEEE float32 ops).
-EIGHT_DEVICES = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                 "--xla_llvm_disable_expensive_passes=true")
-
 MESHES = [(8, 1, 1, 1), (2, 4, 1, 1), (2, 1, 2, 2), (1, 2, 1, 4), (1, 1, 1, 8)]
-
-
-def tiny_model(**changes):
-    from llm_jax.config import ModelConfig
-
-    base = dict(num_hidden_layers=2, num_experts=8, experts_per_token=2, vocab_size=128,
-                hidden_size=32, intermediate_size=32, head_dim=16, num_attention_heads=4,
-                num_key_value_heads=2, sliding_window=8, rope_scaling_factor=1.0,
-                moe_dispatch="capacity", moe_capacity_factor=8.0)  # 8.0: nothing is dropped
-    return ModelConfig(**{**base, **changes})
-
-
-def tiny_train(**changes):
-    from llm_jax.training.run_config import default_run_config
-
-    tc = default_run_config("t", tiny_model()).train
-    tc.update({**dict(batch_size=16, num_steps=10, warmup_steps=1, learning_rate=1e-2), **changes})
-    return tc
-
-
-def batches(n, batch=16, seq=16, vocab=128, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        toks = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
-        out.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
-    return out
 
 
 def run_steps(cfg, mesh, num_steps=3, seed=0):
