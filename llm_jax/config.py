@@ -22,6 +22,9 @@ MOE_DISPATCHES = ("auto", "dense", "ragged", "gather", "blocked", "gmm", "capaci
 # model/select.py's table; "auto" picks by backend and shape.
 ATTENTION_IMPLS = ("auto", "direct", "blockwise", "splash", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
+# How the MoE expert stacks are held: dense in param_dtype, or packed MXFP4 as gpt-oss ships
+# them (model/mxfp4.py; frozen, unpacked inside each dispatch).
+EXPERT_FORMATS = ("dense", "mxfp4")
 NORM_TYPES = ("rms", "layer")
 # How the same function is executed: changing them never changes a result, so a run may resume
 # with other values.
@@ -66,6 +69,7 @@ class ModelConfig:
     # Implementation choices.
     dtype: str = "float32"  # compute dtype of matmuls and activations
     param_dtype: str = "float32"  # storage dtype of weights (norm scales always float32)
+    expert_format: str = "dense"  # one of EXPERT_FORMATS; mxfp4 experts are frozen
     # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel*) apply only to
     # training calls (`train=True`); every other call computes the exact function.
     moe_dispatch: str = "auto"
@@ -140,6 +144,13 @@ class ModelConfig:
             bad("dtype", f"one of {DTYPES}")
         if self.param_dtype not in DTYPES:
             bad("param_dtype", f"one of {DTYPES}")
+        if self.expert_format not in EXPERT_FORMATS:
+            bad("expert_format", f"one of {EXPERT_FORMATS}")
+        if self.expert_format == "mxfp4":
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % 32:
+                    bad(name, "a multiple of 32 with expert_format='mxfp4' (MXFP4 blocks "
+                              "hold 32 values along each expert matmul's input)")
         if self.moe_dispatch not in MOE_DISPATCHES:
             bad("moe_dispatch", f"one of {MOE_DISPATCHES}")
         if self.attention_impl not in ATTENTION_IMPLS:

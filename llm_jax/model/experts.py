@@ -9,14 +9,18 @@ in (token, choice) order: assignment a is token a // k's choice a % k.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from llm_jax.config import SWIGLU_ALPHA
 from llm_jax.model.matmul import einsum
+from llm_jax.model.mxfp4 import ExpertStack, PackedExperts, dense
+
+P = jax.sharding.PartitionSpec
 
 
 class Routing(NamedTuple):
@@ -28,10 +32,30 @@ class Routing(NamedTuple):
 
 
 class ExpertWeights(NamedTuple):
-    gate_up_EDF2: jax.Array
+    """The experts' weights in compute dtype; either stack may be packed MXFP4
+    (`PackedExperts`: index it like the array, `dense` it where it is multiplied)."""
+
+    gate_up_EDF2: ExpertStack
     gate_up_bias_EF2: jax.Array
-    down_EFD: jax.Array
+    down_EFD: ExpertStack
     down_bias_ED: jax.Array
+
+    def unpacked(self) -> ExpertWeights:
+        """Both stacks dense: for the dispatches that multiply every expert at once."""
+        return self._replace(gate_up_EDF2=dense(self.gate_up_EDF2), down_EFD=dense(self.down_EFD))
+
+
+def stack_spec(w: ExpertStack, spec: tuple) -> Any:
+    """The shard_map spec of an expert stack whose dense [E, I, O] form has `spec` = (e, i, o):
+    for a packed one, a `PackedExperts` of specs for its blocks (e, o, i, -), scales (e, o, i)
+    and adapter (e, i, -), (e, -, o)."""
+    e, i, o = spec
+    if not isinstance(w, PackedExperts):
+        return P(e, i, o)
+    lora = w.lora_a is not None
+    return dataclasses.replace(w, blocks=P(e, o, i, None), scales=P(e, o, i),
+                               lora_a=P(e, i, None) if lora else None,
+                               lora_b=P(e, None, o) if lora else None)
 
 
 def _clamped(h: jax.Array, limit: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:

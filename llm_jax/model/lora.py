@@ -16,6 +16,11 @@ exactly. Per expert, A and B carry the expert axis: each expert gets its own low
 | gate_up_proj | [E, D, 2F]    | [E, D, r] | [E, r, 2F] |
 | down_proj    | [E, F, D]     | [E, F, r] | [E, r, D]  |
 (each with a leading L in the stacked model).
+
+Over packed MXFP4 experts (QLoRA: `expert_format="mxfp4"`) the base stack stays packed and
+frozen: `adapted` returns a `PackedExperts` carrying A and B, and each MoE dispatch adds
+`(alpha/r) A_e B_e` to the experts it unpacks, so gradients reach the adapters and the
+activations only.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from llm_jax.model.mxfp4 import MXFP4_BLOCK, ExpertStack, PackedExperts
 
 # target -> (batch dims, input dims) of the weight without its layers axis; the rest is output.
 TARGETS: dict[str, tuple[str, int, int]] = {
@@ -52,14 +59,32 @@ def lora_delta(name: str, a: jax.Array, b: jax.Array, scale: float) -> jax.Array
     return scale * jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
 
 
-def adapted(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array:
-    """The weight `name` of `module` in `dtype`, with its adapter added when it has one."""
-    w = getattr(module, name)[...]
+def adapted(module: nnx.Module, name: str, dtype: jnp.dtype) -> ExpertStack:
+    """The weight `name` of `module` in `dtype`, with its adapter added when it has one; a
+    packed expert stack stays packed, its adapter carried along (module doc)."""
     a = getattr(module, f"{name}_lora_a", None)
+    b = getattr(module, f"{name}_lora_b", None)
+    if hasattr(module, f"{name}_blocks"):
+        return PackedExperts(
+            getattr(module, f"{name}_blocks")[...], getattr(module, f"{name}_scales")[...],
+            None if a is None else a[...], None if b is None else b[...],
+            module.lora_scale if a is not None else 1.0, jnp.dtype(dtype).name)
+    w = getattr(module, name)[...]
     if a is None:
         return w.astype(dtype)
-    b = getattr(module, f"{name}_lora_b")
     return (w.astype(jnp.float32) + lora_delta(name, a[...], b[...], module.lora_scale)).astype(dtype)
+
+
+def base_weight_info(module: nnx.Module, name: str) -> tuple[tuple[int, ...], tuple]:
+    """(shape, logical axes) of the dense weight `name` (leading layers axis included), also
+    for a packed stack, whose blocks are (..., out, in / 32, 16)."""
+    if hasattr(module, f"{name}_blocks"):
+        blocks = getattr(module, f"{name}_blocks")
+        *lead, o, g, _ = blocks.shape
+        *lead_axes, o_axis, in_axis, _ = blocks.get_metadata()["out_sharding"]
+        return (*lead, g * MXFP4_BLOCK, o), (*lead_axes, in_axis, o_axis)
+    w = getattr(module, name)
+    return tuple(w.shape), w.get_metadata()["out_sharding"]
 
 
 def add_lora(model: nnx.Module, *, rank: int, alpha: float, targets: tuple[str, ...],
@@ -75,9 +100,7 @@ def add_lora(model: nnx.Module, *, rank: int, alpha: float, targets: tuple[str, 
     for i, name in enumerate(targets):
         part, n_batch, n_in = TARGETS[name]
         module = getattr(model.layers, part)
-        w = getattr(module, name)
-        axes = w.get_metadata()["out_sharding"]  # ("layers", *batch, *in, *out)
-        shape = tuple(w.shape)
+        shape, axes = base_weight_info(module, name)  # ("layers", *batch, *in, *out)
         lead = 1 + n_batch
         in_shape, out_shape = shape[lead:lead + n_in], shape[lead + n_in:]
         fan_in = 1

@@ -23,7 +23,8 @@ from llm_jax.config import ModelConfig
 from llm_jax.model.experts import ExpertWeights, Routing
 from llm_jax.model.lora import adapted
 from llm_jax.model.moe_dispatch import select_dispatch
-from llm_jax.model.params import normal, param, zeros
+from llm_jax.model.mxfp4 import packed_shapes
+from llm_jax.model.params import normal, packed_param, param, zeros
 
 
 class MoEAux(NamedTuple):
@@ -53,18 +54,33 @@ def router_aux(routing: Routing, num_experts: int) -> tuple[jax.Array, jax.Array
 
 
 class MoE(nnx.Module):
-    """Router + E clamped-SwiGLU experts; weights in the Hugging Face layout (E, D, 2F)."""
+    """Router + E clamped-SwiGLU experts; weights in the Hugging Face layout (E, D, 2F).
+
+    With `cfg.expert_format == "mxfp4"` the two expert stacks are held packed, as gpt-oss
+    ships them (model/mxfp4.py): `gate_up_proj_blocks` / `_scales` and `down_proj_blocks` /
+    `_scales` in the checkpoint layout (E, out, in / 32, 16), frozen (`PackedParam`), and
+    unpacked by each dispatch inside the layer."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
         init, pd = normal(cfg.initializer_range), cfg.weight_dtype
-        out_init = normal(cfg.initializer_range / (2 * cfg.num_hidden_layers) ** 0.5)
+        out_std = cfg.initializer_range / (2 * cfg.num_hidden_layers) ** 0.5
         self.router = param(rngs, init, (d, e), ("embed", "experts"), jnp.float32)
         self.router_bias = param(rngs, zeros, (e,), ("experts",), jnp.float32)
-        self.gate_up_proj = param(rngs, init, (e, d, 2 * f), ("experts", "embed", "mlp"), pd)
+        if cfg.expert_format == "mxfp4":
+            for name, (d_in, d_out), axes, std in (
+                    ("gate_up_proj", (d, 2 * f), ("mlp", "embed"), cfg.initializer_range),
+                    ("down_proj", (f, d), ("embed", "mlp"), out_std)):
+                blocks, scales = packed_shapes(e, d_in, d_out)
+                b, s = packed_param(rngs, blocks, scales, ("experts", *axes), std)
+                setattr(self, f"{name}_blocks", b)
+                setattr(self, f"{name}_scales", s)
+        else:
+            self.gate_up_proj = param(rngs, init, (e, d, 2 * f), ("experts", "embed", "mlp"), pd)
+            self.down_proj = param(rngs, normal(out_std), (e, f, d), ("experts", "mlp", "embed"),
+                                   pd)
         self.gate_up_proj_bias = param(rngs, zeros, (e, 2 * f), ("experts", "mlp"), pd)
-        self.down_proj = param(rngs, out_init, (e, f, d), ("experts", "mlp", "embed"), pd)
         self.down_proj_bias = param(rngs, zeros, (e, d), ("experts", "embed"), pd)
 
     def expert_weights(self) -> ExpertWeights:

@@ -39,12 +39,14 @@ from llm_jax.config import ModelConfig
 from llm_jax.model.experts import ExpertWeights, Routing, combine, sort_by_expert, swiglu, unsort
 from llm_jax.model.matmul import einsum
 from llm_jax.model.moe_parallel import moe_expert_parallel, moe_gmm
+from llm_jax.model.mxfp4 import dense
 from llm_jax.model.select import auto_moe
 from llm_jax.parallel.sharding import constrain
 from llm_jax.runtime.backend import backend
 
 
 def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
+    w = w.unpacked()
     t = x_TD.shape[0]
     e = w.gate_up_EDF2.shape[0]
     h = einsum("TD,EDF->TEF", x_TD, w.gate_up_EDF2, w.gate_up_bias_EF2)
@@ -55,6 +57,7 @@ def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float)
 
 
 def moe_ragged(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
+    w = w.unpacked()
     t, d = x_TD.shape
     k = routing.experts_Tk.shape[1]
     s = sort_by_expert(routing.experts_Tk, w.gate_up_EDF2.shape[0])
@@ -76,8 +79,8 @@ def moe_gather(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float
     k = routing.experts_Tk.shape[1]
     e_A = routing.experts_Tk.reshape(-1)  # (token, choice) order
     x_AD = jnp.repeat(x_TD, k, axis=0)
-    h = einsum("AD,ADF->AF", x_AD, w.gate_up_EDF2[e_A], w.gate_up_bias_EF2[e_A])
-    y = einsum("AF,AFD->AD", swiglu(h, limit), w.down_EFD[e_A], w.down_bias_ED[e_A])
+    h = einsum("AD,ADF->AF", x_AD, dense(w.gate_up_EDF2[e_A]), w.gate_up_bias_EF2[e_A])
+    y = einsum("AF,AFD->AD", swiglu(h, limit), dense(w.down_EFD[e_A]), w.down_bias_ED[e_A])
     return combine(y.reshape(t, k, d), routing.weights_Tk)
 
 
@@ -109,8 +112,8 @@ def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: floa
 
     def one_block(args):
         x_bD, ex = args
-        h = einsum("bD,DF->bF", x_bD, w.gate_up_EDF2[ex], w.gate_up_bias_EF2[ex])
-        return einsum("bF,FD->bD", swiglu(h, limit), w.down_EFD[ex], w.down_bias_ED[ex])
+        h = einsum("bD,DF->bF", x_bD, dense(w.gate_up_EDF2[ex]), w.gate_up_bias_EF2[ex])
+        return einsum("bF,FD->bD", swiglu(h, limit), dense(w.down_EFD[ex]), w.down_bias_ED[ex])
 
     y_AD = jax.lax.map(one_block, (x_GbD, expert_G)).reshape(-1, d)[slot_A]
     return combine(y_AD.reshape(t, k, d), routing.weights_Tk)
@@ -127,6 +130,7 @@ def moe_capacity(
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, D], fraction of assignments dropped). Slots fill in token order, all
     first choices before any second choice; assignments past an expert's C slots are dropped."""
+    w = w.unpacked()
     t, d = x_TD.shape
     k = routing.experts_Tk.shape[1]
     e = w.gate_up_EDF2.shape[0]

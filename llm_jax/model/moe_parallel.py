@@ -46,7 +46,16 @@ import jax
 import jax.numpy as jnp
 
 from llm_jax.kernels.grouped_matmul import grouped_matmul
-from llm_jax.model.experts import ExpertWeights, Routing, combine, sort_by_expert, swiglu, unsort
+from llm_jax.model.experts import (
+    ExpertWeights,
+    Routing,
+    combine,
+    sort_by_expert,
+    stack_spec,
+    swiglu,
+    unsort,
+)
+from llm_jax.model.mxfp4 import dense
 from llm_jax.parallel.sharding import RULES, mesh_axes
 
 P = jax.sharding.PartitionSpec
@@ -61,7 +70,9 @@ def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -
 def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, limit: float,
                factor: float, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...],
                batch_axes: tuple[str, ...], n: int, grouped: GroupedMatmul):
-    """One device's share: steps 1-5 of the module doc. Returns (y [T, D], dropped count)."""
+    """One device's share: steps 1-5 of the module doc. Returns (y [T, D], dropped count).
+    Packed stacks are unpacked here, on the device that holds those experts."""
+    w1_EDF, w2_EFD = dense(w1_EDF), dense(w2_EFD)
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     el = w1_EDF.shape[0]
@@ -153,7 +164,8 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
                            batch_axes=batch_axes, n=n, **kwargs)
     y, dropped = jax.shard_map(
         fn, mesh=mesh,
-        in_specs=(tok, tok_k, tok_k, P(ea, None, ma), P(ea, ma), P(ea, ma, None), P(ea, None)),
+        in_specs=(tok, tok_k, tok_k, stack_spec(w.gate_up_EDF2, (ea, None, ma)), P(ea, ma),
+                  stack_spec(w.down_EFD, (ea, ma, None)), P(ea, None)),
         # A Pallas call's outputs carry no varying-axes type, so with a kernel the check is off.
         out_specs=(tok, P()), check_vma=kernel is None,
     )(x_TD, routing.experts_Tk, routing.weights_Tk, *w)
@@ -162,6 +174,7 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
 
 def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, interpret: bool,
                kernel: str, mlp_axes: tuple[str, ...]):
+    w1, w2 = dense(w1), dense(w2)  # packed stacks: unpacked on this device, before the kernel
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     s = sort_by_expert(experts_Tk, w1.shape[0])
@@ -191,6 +204,7 @@ def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *
                            mlp_axes=mlp)
     return jax.shard_map(
         fn, mesh=mesh,
-        in_specs=(P(bs), P(bs), P(bs), P(None, None, ms), P(None, ms), P(None, ms, None), P()),
+        in_specs=(P(bs), P(bs), P(bs), stack_spec(w.gate_up_EDF2, (None, None, ms)), P(None, ms),
+                  stack_spec(w.down_EFD, (None, ms, None)), P()),
         out_specs=P(bs), check_vma=False,
     )(*args)

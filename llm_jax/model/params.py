@@ -7,6 +7,7 @@ them onto mesh axes. Eager sharding is off so that a model can be built without 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -27,6 +28,27 @@ def param(
     if len(axes) != len(shape):
         raise ValueError(f"param axes {axes} do not match shape {shape}")
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+class PackedParam(nnx.Param):
+    """A frozen weight held packed (MXFP4 blocks or scales, uint8): part of the model's params
+    (saved, loaded, sharded like the others) but never trained; `TRAINABLE` leaves it out."""
+
+
+# The params an optimizer updates: all but the packed ones.
+TRAINABLE = nnx.All(nnx.Param, nnx.Not(PackedParam))
+
+
+def packed_param(rngs: nnx.Rngs, blocks_shape: tuple[int, ...], scales_shape: tuple[int, ...],
+                 axes: tuple[str | None, ...], std: float) -> tuple[PackedParam, PackedParam]:
+    """Random MXFP4 (blocks, scales) for an expert stack quantized along its input: `axes` names
+    (experts, out, in) of the dense stack; the blocks' last axis (16 bytes) is unnamed. Codes are
+    uniform over the 16 E2M1 values (rms 2.93), the scale the power of two nearest std / 2.93."""
+    scale = round(127 + math.log2(std / 2.93))
+    blocks = jax.random.randint(rngs.params(), blocks_shape, 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jnp.full(scales_shape, scale, jnp.uint8)
+    return (PackedParam(blocks, out_sharding=(*axes, None), eager_sharding=False),
+            PackedParam(scales, out_sharding=axes, eager_sharding=False))
 
 
 def normal(std: float) -> Initializer:

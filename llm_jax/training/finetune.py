@@ -21,6 +21,7 @@ from flax import nnx
 
 from llm_jax.config import ModelConfig
 from llm_jax.model.lora import LoRAParam, add_lora
+from llm_jax.model.params import TRAINABLE
 from llm_jax.model.transformer import Transformer
 from llm_jax.training.step import ModelFn, Steps, TrainState
 from llm_jax.weights.checkpointing import Checkpointer
@@ -81,7 +82,7 @@ def model_fn(cfg: ModelConfig, lora: ml_collections.ConfigDict, seed: int) -> Mo
 
 def trainable(lora: ml_collections.ConfigDict) -> Any:
     """What the optimizer updates (and keeps moments for): the adapters, or everything."""
-    return LoRAParam if lora.rank else nnx.Param
+    return LoRAParam if lora.rank else TRAINABLE
 
 
 def initial_state(steps: Steps, tx: optax.GradientTransformation, init_from: str,

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from llm_jax.config import ModelConfig
 from llm_jax.model import Transformer
+from llm_jax.model.params import TRAINABLE
 from llm_jax.parallel.sharding import (
     batch_sharding,
     check_divisible,
@@ -82,7 +83,7 @@ ModelFn = Callable[..., nnx.Module]  # called as model_fn(rngs=nnx.Rngs(...))
 
 
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
-               model_fn: ModelFn | None = None, trainable: Any = nnx.Param) -> TrainState:
+               model_fn: ModelFn | None = None, trainable: Any = TRAINABLE) -> TrainState:
     """Fresh params from `model_fn` (default: the Transformer); optimizer state only for the
     `trainable` ones (training/finetune.py: the LoRA adapters)."""
     model = (model_fn or functools.partial(Transformer, cfg))(rngs=nnx.Rngs(params=seed))
@@ -134,7 +135,7 @@ def train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
     train: ml_collections.ConfigDict,
-    trainable: Any = nnx.Param,
+    trainable: Any = TRAINABLE,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from `grad_accum_steps` microbatches of the global batch; only the
     `trainable` params get gradients and updates (the rest is frozen)."""
@@ -203,7 +204,7 @@ class Steps(flax.struct.PyTreeNode):
 
 def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh,
                   seed: int, model_fn: ModelFn | None = None,
-                  trainable: Any = nnx.Param) -> Steps:
+                  trainable: Any = TRAINABLE) -> Steps:
     """Jitted init/train/eval with shardings derived from the params' logical axes;
     `model_fn`/`trainable` as in init_state (LoRA: training/finetune.py)."""
     if train.batch_size % train.grad_accum_steps:

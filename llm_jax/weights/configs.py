@@ -21,8 +21,17 @@ ARCH_FIELDS = (
     "rope_ntk_alpha", "rope_ntk_beta", "swiglu_limit",
 )
 # Fields a caller may change at load time: they choose how the function is computed, not what.
-OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "moe_dispatch", "moe_capacity_factor", "remat",
-                      "scan_layers", "attention_impl")
+# expert_format: "dense" dequantizes MXFP4 experts exactly; "mxfp4" over dense weights quantizes
+# them (a lossy choice the caller makes).
+OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "expert_format", "moe_dispatch",
+                      "moe_capacity_factor", "remat", "scan_layers", "attention_impl")
+
+# What gpt-oss's released config.json says of its MXFP4 experts (transformers reads it).
+MXFP4_QUANTIZATION = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                               "model.embed_tokens", "lm_head"],
+}
 
 # Hugging Face's names of two of them (for errors).
 HF_NAMES = {"num_experts": "num_local_experts", "experts_per_token": "num_experts_per_tok"}
@@ -82,7 +91,7 @@ def hf_config_to_model_config(hf: Mapping[str, Any], source: str = "Hugging Face
     quant = f.obj("quantization_config")
     if quant is not None and quant.raw("quant_method") != "mxfp4":
         raise _hf_unsupported(f, "quantization_config.quant_method", quant.raw("quant_method"),
-                              "'mxfp4' (dequantized on load) or none")
+                              "'mxfp4' (kept packed; expert_format='dense' dequantizes) or none")
 
     heads = f.int("num_attention_heads")
     hidden = f.int("hidden_size")
@@ -213,6 +222,7 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "initializer_range": cfg.initializer_range,
         "dtype": cfg.param_dtype,
+        **({"quantization_config": MXFP4_QUANTIZATION} if cfg.expert_format == "mxfp4" else {}),
     }
 
 

@@ -1,5 +1,7 @@
-"""MXFP4 (OCP Microscaling FP4, E2M1 values in blocks of 32 sharing a power-of-two scale): how
-gpt-oss ships its MoE weights. Read only: dequantized to dense on load (docs/model.md, "MXFP4").
+"""MXFP4 on the host (numpy): dequantizing a checkpoint's packed experts when a user asks for a
+dense model, and quantizing dense experts (an explicit, lossy choice: a merged QLoRA export, or
+an OpenAI-layout export of a dense model). The format and its in-model unpacking are
+model/mxfp4.py; docs/model.md, "MXFP4".
 
 Shapes: G blocks of 32 values, stored as 16 bytes (two 4-bit codes each) and one scale byte.
 """
@@ -10,12 +12,18 @@ from typing import Any
 
 import numpy as np
 
-# OCP MX FP4 (E2M1) code points, low nibble first (docs/model.md, "MXFP4").
-FP4_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    np.float32,
-)
-MXFP4_BLOCK = 32  # values per scale
+from llm_jax.model.mxfp4 import FP4_VALUES, MXFP4_BLOCK, SCALE_BIAS
+
+
+def check_packed(blocks: np.ndarray, scales: np.ndarray, what: str = "MXFP4") -> None:
+    """ValueError unless blocks are uint8 (..., G, 16) and scales uint8 (..., G)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(f"{what}: blocks and scales must be uint8, got {blocks.dtype}, "
+                         f"{scales.dtype}")
+    if blocks.shape[-1:] != (MXFP4_BLOCK // 2,) or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"{what}: blocks shape {blocks.shape} does not match scales shape {scales.shape}: "
+            f"expected blocks (..., G, {MXFP4_BLOCK // 2}) and scales (..., G)")
 
 
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: Any = np.float32,
@@ -26,17 +34,10 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: Any = np.flo
     shares the scale 2^(s - 127). Vectorised numpy, in chunks of blocks to bound the temporaries.
     """
     blocks, scales = np.asarray(blocks), np.asarray(scales)
-    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
-        raise ValueError(
-            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}")
-    if blocks.shape[-1] != MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(
-            f"MXFP4 blocks shape {blocks.shape} does not match scales shape {scales.shape}: "
-            f"expected blocks (..., G, {MXFP4_BLOCK // 2}) and scales (..., G)"
-        )
+    check_packed(blocks, scales)
     *lead, g, b = blocks.shape
     blocks_R16 = blocks.reshape(-1, b)
-    exponents_R1 = scales.reshape(-1, 1).astype(np.int32) - 127
+    exponents_R1 = scales.reshape(-1, 1).astype(np.int32) - SCALE_BIAS
     out_R32 = np.empty((blocks_R16.shape[0], 2 * b), dtype)
     for r in range(0, blocks_R16.shape[0], rows_per_chunk):
         blk = blocks_R16[r:r + rows_per_chunk]
@@ -44,3 +45,37 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: Any = np.flo
         out_R32[r:r + rows_per_chunk] = np.ldexp(pairs.reshape(len(blk), 2 * b),
                                                  exponents_R1[r:r + rows_per_chunk])
     return out_R32.reshape(*lead, g * 2 * b)
+
+
+# Codes 0-7 are the non-negative E2M1 magnitudes in increasing order.
+_MAGNITUDES = FP4_VALUES[:8]
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Dense (..., G * 32) -> (blocks uint8 (..., G, 16), scales uint8 (..., G)), round to
+    nearest (ties to the even code).
+
+    Each block's scale is the smallest power of two 2^k with amax / 2^k <= 6 (E2M1's largest
+    value), so no value clips. Values MXFP4 already holds come back unchanged (though the bytes
+    may differ: a block whose largest code is below 4 gets a smaller scale and doubled codes)."""
+    w = np.asarray(w, np.float32)
+    if w.shape[-1] % MXFP4_BLOCK:
+        raise ValueError(f"quantize_mxfp4: last axis {w.shape[-1]} is not a multiple of "
+                         f"{MXFP4_BLOCK}")
+    if not np.isfinite(w).all():
+        raise ValueError("quantize_mxfp4: the weights hold inf or NaN")
+    blocks_G32 = w.reshape(*w.shape[:-1], -1, MXFP4_BLOCK)
+    amax = np.abs(blocks_G32).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        k = np.ceil(np.log2(amax / 6.0))
+    k = np.clip(np.where(amax > 0, k, -SCALE_BIAS), -SCALE_BIAS, 255 - SCALE_BIAS - 1)
+    scaled = np.abs(blocks_G32) / np.ldexp(1.0, k.astype(np.int32))[..., None]
+    # Nearest magnitude; ties go to the even code (mantissa bit 0), as round-to-nearest-even.
+    dist = np.abs(scaled[..., None] - _MAGNITUDES)
+    best = dist.min(axis=-1, keepdims=True)
+    ties = dist == best
+    even = ties & (np.arange(8) % 2 == 0)
+    code = np.where(even.any(axis=-1), even.argmax(axis=-1), ties.argmax(axis=-1))
+    code = (code | np.where(np.signbit(blocks_G32), 8, 0)).astype(np.uint8)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.astype(np.uint8), (k + SCALE_BIAS).astype(np.uint8)

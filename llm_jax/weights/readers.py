@@ -60,7 +60,7 @@ from llm_jax.weights.layouts import (
     openai_specs,
     packed_shapes,
 )
-from llm_jax.weights.mxfp4 import dequantize_mxfp4
+from llm_jax.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from llm_jax.weights.safetensors_header import FLOAT_DTYPES
 from llm_jax.weights.tensor_store import TensorStore
 
@@ -140,9 +140,24 @@ def _read_spec(store: TensorStore, spec: TensorSpec, name: str, out: np.ndarray)
         out[i] = dequantize_mxfp4(blocks[i], scales[i]).T.astype(out.dtype)
 
 
+def _read_packed(store: TensorStore, spec: TensorSpec, name: str, blocks: np.ndarray,
+                 scales: np.ndarray) -> None:
+    """Fills a packed expert stack (E, out, in / 32, 16) + (E, out, in / 32): the checkpoint's
+    MXFP4 bytes as they are, or (a model asked for with expert_format='mxfp4' from dense
+    weights: lossy, by choice) its dense tensor quantized one expert at a time."""
+    if name + spec.mxfp4[0] in store:
+        blocks[...] = store.get(name + spec.mxfp4[0])
+        scales[...] = store.get(name + spec.mxfp4[1])
+        return
+    dense = spec.to_ours(store.get(name))  # ours: (E, in, out)
+    for i in range(dense.shape[0]):
+        blocks[i], scales[i] = quantize_mxfp4(np.swapaxes(dense[i], -1, -2))
+
+
 def _read_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
                 targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
-    """The params in our layout from tensors that `_check_specs` has passed."""
+    """The params in our layout from tensors that `_check_specs` has passed; packed expert
+    stacks (targets `<key>_blocks` / `<key>_scales`) as their bytes, never dense."""
     top, layer = specs
     params: dict[str, np.ndarray] = {}
     for spec in top:
@@ -150,11 +165,27 @@ def _read_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
         params[spec.key] = np.empty(t.shape, t.dtype)
         _read_spec(store, spec, spec.src, params[spec.key])
     for spec in layer:
-        t = targets[f"layers.{spec.key}"]
-        out = params[f"layers.{spec.key}"] = np.empty(t.shape, t.dtype)
+        key = f"layers.{spec.key}"
+        if key + "_blocks" in targets:
+            tb, ts = targets[key + "_blocks"], targets[key + "_scales"]
+            blocks = params[key + "_blocks"] = np.empty(tb.shape, tb.dtype)
+            scales = params[key + "_scales"] = np.empty(ts.shape, ts.dtype)
+            for n in range(cfg.num_hidden_layers):
+                _read_packed(store, spec, spec.src.format(n=n), blocks[n], scales[n])
+            continue
+        t = targets[key]
+        out = params[key] = np.empty(t.shape, t.dtype)
         for n in range(cfg.num_hidden_layers):
             _read_spec(store, spec, spec.src.format(n=n), out[n])
     return params
+
+
+def _stored_expert_format(store: TensorStore, specs: Layout) -> str:
+    """'mxfp4' when every expert stack of the checkpoint is MXFP4-packed (then the model keeps
+    them packed unless asked for expert_format='dense'), else 'dense'."""
+    packed = [s for s in specs[1] if s.mxfp4 is not None]
+    return "mxfp4" if packed and all(s.src.format(n=0) + s.mxfp4[0] in store
+                                     for s in packed) else "dense"
 
 
 def _is_llm_jax(root: Path) -> bool:
@@ -293,7 +324,7 @@ def _openai_config(root: Path) -> ModelConfig:
                 np.dtype(np.float16): "float16"}.get(dt)
         if name:
             cfg = cfg.replace(dtype=name, param_dtype=name)
-    return cfg
+    return cfg.replace(expert_format=_stored_expert_format(store, openai_specs(cfg)))
 
 
 def _orbax_config(root: Path) -> ModelConfig:
@@ -322,8 +353,9 @@ FORMATS: dict[str, Format] = {
     "orbax": Format(_orbax_config, lambda root, cfg: None, _orbax_params),
     "llm_jax": Format(_llm_jax_config, _llm_jax_check, _llm_jax_params),
     "hf": Format(
-        lambda root: hf_config_to_model_config(read_json_object(root / "config.json"),
-                                               str(root / "config.json")),
+        lambda root: hf_config_to_model_config(
+            read_json_object(root / "config.json"), str(root / "config.json")).replace(
+                expert_format=_stored_expert_format(_hf_store(root), hf_specs(ModelConfig()))),
         lambda root, cfg: _check_specs(_hf_store(root), hf_specs(cfg), cfg,
                                        root / "config.json", HF_NAMES),
         lambda root, cfg, t: _read_specs(_hf_store(root), hf_specs(cfg), cfg, t)),
@@ -352,6 +384,8 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, **overrides: 
 
     `dtype` sets both the weights' and the compute dtype (default: the checkpoint's); `overrides`
     may set the implementation fields OVERRIDABLE_FIELDS (e.g. moe_dispatch="dense").
+    MXFP4 experts stay packed (`expert_format="mxfp4"`, the checkpoint's bytes; never a dense
+    copy); `expert_format="dense"` dequantizes them, as the model computes either way.
     """
     fmt, root = detect_format(path)
     reader = FORMATS[fmt]

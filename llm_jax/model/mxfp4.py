@@ -1,0 +1,105 @@
+"""MoE expert weights kept in MXFP4, as gpt-oss ships them, and unpacked inside the computation.
+
+MXFP4 (OCP Microscaling FP4): values in blocks of 32 along a weight's input axis share one
+power-of-two scale (E8M0: byte s means 2^(s - 127)); each value is a 4-bit E2M1 code (sign, two
+exponent bits, one mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), two per byte,
+low nibble first. An E2M1 value times a power of two is exact in bfloat16 and float32, so a
+packed model computes exactly the function of the same model dequantized (docs/model.md,
+"MXFP4").
+
+`PackedExperts` holds one expert stack in the checkpoint's own layout (the bytes stay those that
+were read: an export writes them back unchanged) and behaves like the dense [E, in, out] stack it
+stands for where the MoE dispatches need it: `w[e]` picks experts (still packed) and
+`dense(w, dtype)` unpacks what is left, so each dispatch unpacks only what it multiplies (the
+chosen experts, one block's expert, or one device's experts). A LoRA adapter over a packed,
+frozen stack rides along (`lora_a`, `lora_b`) and is added to each unpacked expert, so the
+adapter's gradient flows through exactly the experts a token used.
+
+Shapes: E experts, I input (the quantized axis), O output, G = I / 32 blocks, r LoRA rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# OCP MX FP4 (E2M1) code points by 4-bit code (bit 3 is the sign).
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+MXFP4_BLOCK = 32  # values per scale
+SCALE_BIAS = 127  # E8M0: byte s is 2^(s - 127)
+
+
+def unpack(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> values [..., G * 32] in `dtype`.
+
+    A table lookup of the 16 codes and an exact `ldexp` in float32, then one rounding-free cast
+    (every E2M1 value times 2^k is representable in bfloat16 too)."""
+    table = jnp.asarray(FP4_VALUES)
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # low nibble first
+    values = table[codes.astype(jnp.int32)].reshape(*blocks.shape[:-1], MXFP4_BLOCK)
+    exponents = scales.astype(jnp.int32)[..., None] - SCALE_BIAS
+    values = jnp.ldexp(values, exponents)
+    return values.reshape(*blocks.shape[:-2], -1).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedExperts:
+    """A dense expert stack w [E, I, O] held as MXFP4 along I, in the checkpoint layout:
+    `blocks` uint8 [E, O, G, 16], `scales` uint8 [E, O, G]; with a LoRA adapter (`lora_a`
+    [E, I, r], `lora_b` [E, r, O], `lora_scale`) the stack it stands for is w + scale A B.
+
+    Leading expert axes index like an array's: `w[e_A]` (gather) or `w[2]` keep it packed."""
+
+    blocks: jax.Array
+    scales: jax.Array
+    lora_a: jax.Array | None = None
+    lora_b: jax.Array | None = None
+    lora_scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+    dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))  # unpacked
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense stack's shape [..., I, O]."""
+        *lead, o, g, _ = self.blocks.shape
+        return (*lead, g * MXFP4_BLOCK, o)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index: Any) -> PackedExperts:
+        pick = lambda x: None if x is None else x[index]  # noqa: E731
+        return dataclasses.replace(self, blocks=pick(self.blocks), scales=pick(self.scales),
+                                   lora_a=pick(self.lora_a), lora_b=pick(self.lora_b))
+
+    def unpacked(self) -> jax.Array:
+        """The dense stack [..., I, O] in `self.dtype`, adapter included (added in float32)."""
+        w = jnp.swapaxes(unpack(self.blocks, self.scales, jnp.float32), -1, -2)
+        if self.lora_a is not None:
+            w = w + self.lora_scale * jnp.einsum(
+                "...ir,...ro->...io", self.lora_a.astype(jnp.float32),
+                self.lora_b.astype(jnp.float32))
+        return w.astype(self.dtype)
+
+
+ExpertStack = jax.Array | PackedExperts
+
+
+def dense(w: ExpertStack) -> jax.Array:
+    """`w` as a dense array: a packed stack unpacked (in its compute dtype), an array as it is.
+    The dispatches call it on the experts they are about to multiply."""
+    return w.unpacked() if isinstance(w, PackedExperts) else w
+
+
+def packed_shapes(experts: int, d_in: int, d_out: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(blocks, scales) shapes of an [E, d_in, d_out] stack quantized along d_in."""
+    g = d_in // MXFP4_BLOCK
+    return (experts, d_out, g, MXFP4_BLOCK // 2), (experts, d_out, g)
