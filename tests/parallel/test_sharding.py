@@ -149,6 +149,16 @@ def test_expert_parallel_moe_equals_single_device_moe():
         assert errs["drop"] == 0.0, (mesh, errs)
 
 
+def test_packed_mxfp4_experts_on_a_mesh_equal_the_dequantized_single_device_moe():
+    # Packed stacks enter shard_map as blocks and scales split like the dense stack (experts on
+    # `expert`, F on `tensor`) and are unpacked on the device that holds them.
+    r = _child("packed_expert_parallel")
+    assert len(r) == 4, r
+    for mesh, errs in r.items():
+        assert errs["output"] < 1e-6 and errs["grads"] < 1e-6, (mesh, errs)
+        assert errs["drop"] == 0.0, (mesh, errs)
+
+
 def test_decoding_with_a_sharded_cache_equals_one_device():
     # Batch on data, kv heads on tensor: the keys' [B, K, H, S] and values' [B, K, S, H] caches
     # are constrained to their own logical specs every step; tokens and logits as unsharded.
@@ -229,6 +239,59 @@ def case_expert_parallel() -> dict:
         (_, (y, drop)), grads = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
         (_, (y_ref, _)), g_ref = ref
         out[f"{sizes} {kernel or 'ragged_dot'}"] = {
+            "output": float(jnp.max(jnp.abs(y - y_ref)) / (1 + jnp.max(jnp.abs(y_ref)))),
+            "grads": max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
+                         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref))),
+            "drop": float(drop)}
+    return out
+
+
+def case_packed_expert_parallel() -> dict:
+    from llm_jax.model.experts import ExpertWeights
+    from llm_jax.model.moe import route
+    from llm_jax.model.moe_dispatch import moe_dense
+    from llm_jax.model.moe_parallel import moe_expert_parallel, moe_gmm
+    from llm_jax.model.mxfp4 import PackedExperts
+    from llm_jax.weights.mxfp4 import dequantize_mxfp4
+
+    d, e, f, k = 32, 8, 64, 2
+    rng = np.random.default_rng(0)
+    packed = {n: (rng.integers(0, 256, (e, o, i // 32, 16), dtype=np.uint8),
+                  rng.integers(121, 126, (e, o, i // 32), dtype=np.uint8))
+              for n, (i, o) in (("w1", (d, 2 * f)), ("w2", (f, d)))}
+    p = dict(router=rng.normal(size=(d, e)) * 0.5, rb=rng.normal(size=(e,)) * 0.1,
+             b1=rng.normal(size=(e, 2 * f)), b2=rng.normal(size=(e, d)) * 0.1)
+    p = {n: jnp.asarray(v, jnp.float32) for n, v in p.items()}
+    deq = {n: jnp.asarray(np.swapaxes(dequantize_mxfp4(*bs), -1, -2)) for n, bs in packed.items()}
+    stacks = {n: PackedExperts(jnp.asarray(b), jnp.asarray(s)) for n, (b, s) in packed.items()}
+    x = jax.random.normal(jax.random.key(1), (64, d))
+    ct = jax.random.normal(jax.random.key(2), (64, d)) / 64
+
+    def loss(fn, w):
+        def f_(x, p):
+            r = route(x, p["router"], p["rb"], k)
+            y, drop = fn(x, r, ExpertWeights(w["w1"], p["b1"], w["w2"], p["b2"]))
+            return jnp.sum(y * ct), (y, drop)
+        return jax.value_and_grad(f_, argnums=(0, 1), has_aux=True)
+
+    (_, (y_ref, _)), g_ref = jax.jit(loss(lambda x, r, w: (moe_dense(x, r, w, 7.0), 0.0),
+                                          deq))(x, p)
+    out = {}
+    runs = [({"expert": 8}, "ep", None), ({"data": 2, "tensor": 2, "expert": 2}, "ep", None),
+            ({"data": 2, "tensor": 2, "expert": 2}, "ep", "megablox"),
+            ({"data": 4, "tensor": 2}, "gmm", "megablox")]
+    for sizes, kind, kernel in runs:
+        mesh = sh.make_mesh(sizes)
+        if kind == "ep":
+            fn = lambda x, r, w, kernel=kernel: moe_expert_parallel(  # noqa: E731
+                x, r, w, 7.0, 8.0, kernel=kernel, interpret=True)
+        else:
+            fn = lambda x, r, w: (moe_gmm(x, r, w, 7.0, interpret=True), 0.0)  # noqa: E731
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        stacks_on = jax.device_put(stacks, rep)
+        (_, (y, drop)), grads = jax.jit(sh.with_mesh(
+            lambda x, p, w: loss(fn, w)(x, p), mesh))(*jax.device_put((x, p), rep), stacks_on)
+        out[f"{sizes} {kind} {kernel or 'ragged_dot'}"] = {
             "output": float(jnp.max(jnp.abs(y - y_ref)) / (1 + jnp.max(jnp.abs(y_ref)))),
             "grads": max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
                          for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref))),

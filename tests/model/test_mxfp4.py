@@ -1,0 +1,176 @@
+"""MXFP4 experts kept packed: the in-model unpacking equals the host's dequantization bit for bit,
+the quantizer is round-to-nearest (ties to even) and leaves MXFP4 values unchanged, and a packed
+MoE layer equals the same layer with dequantized weights for every dispatch of the table
+(outputs and input gradients within 1e-6 in float32: E2M1 times a power of two is exact, so only
+the summation order may differ), experts_per_token > 2 included."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from llm_jax.config import ModelConfig
+from llm_jax.model.experts import ExpertWeights
+from llm_jax.model.moe import MoE, route
+from llm_jax.model.moe_dispatch import DISPATCHES
+from llm_jax.model.mxfp4 import FP4_VALUES, PackedExperts, dense, unpack
+from llm_jax.model.params import TRAINABLE, PackedParam
+from llm_jax.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+
+def _random_packed(rng, e, d_out, d_in, scale_range=(118, 124)):
+    blocks = rng.integers(0, 256, (e, d_out, d_in // 32, 16), dtype=np.uint8)
+    scales = rng.integers(*scale_range, (e, d_out, d_in // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_unpack_equals_host_dequantization_bitwise_for_every_byte_and_scale(dtype):
+    # Every byte value in every position, under scales from the smallest whose values are all
+    # normal floats (2: 0.5 * 2^-125) to the largest finite one (254). Scales 0 and 1 make
+    # float32 subnormals, which XLA flushes to zero in any computation (packed or dense).
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (9, 1, 1))  # [9, 16, 16]
+    scales = np.repeat(np.array([2, 3, 100, 126, 127, 128, 140, 200, 254], np.uint8),
+                       16).reshape(9, 16)
+    with np.errstate(over="ignore"):  # 6 * 2^127 is past float32's range: inf on both sides
+        want = dequantize_mxfp4(blocks, scales).astype(dtype)
+    got = np.asarray(jax.jit(unpack, static_argnums=2)(blocks, scales, jnp.dtype(dtype)))
+    assert got.dtype == np.dtype(dtype) and got.shape == (9, 512)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_quantizer_rounds_to_nearest_with_ties_to_even_and_keeps_mxfp4_values():
+    # A block whose largest magnitude is 6: scale 2^0; 2.5 lies between 2 (even code 4) and 3,
+    # 5 between 4 (even code 6) and 6; 0.25 between 0 (even) and 0.5; 1.74 is nearest 1.5.
+    row = np.zeros(32, np.float32)
+    row[:6] = [6.0, 2.5, -5.0, 0.25, 1.74, -0.0]
+    blocks, scales = quantize_mxfp4(row)
+    assert scales.tolist() == [127]
+    np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales)[:6],
+                                  [6.0, 2.0, -4.0, 0.0, 1.5, -0.0])
+    # Values MXFP4 holds come back as they were, whatever the scale.
+    b, s = _random_packed(np.random.default_rng(0), 3, 5, 64, (100, 150))
+    w = dequantize_mxfp4(b, s)
+    np.testing.assert_array_equal(dequantize_mxfp4(*quantize_mxfp4(w)), w)
+    # Gaussian weights: E2M1 keeps ~1 mantissa bit, relative RMS error about 10 %.
+    g = np.random.default_rng(1).normal(size=(8, 4096)).astype(np.float32)
+    q = dequantize_mxfp4(*quantize_mxfp4(g))
+    rel = np.sqrt(np.mean((q - g) ** 2) / np.mean(g ** 2))
+    assert 0.05 < rel < 0.15, rel
+    for bad, msg in ((np.ones(33), "multiple of 32"), (np.full(32, np.nan), "inf or NaN")):
+        with pytest.raises(ValueError, match=msg):
+            quantize_mxfp4(bad)
+
+
+def test_packed_experts_index_like_the_dense_stack_and_carry_an_adapter():
+    rng = np.random.default_rng(2)
+    blocks, scales = _random_packed(rng, 4, 48, 64)
+    a = rng.normal(size=(4, 64, 3)).astype(np.float32)
+    b = rng.normal(size=(4, 3, 48)).astype(np.float32)
+    w = PackedExperts(jnp.asarray(blocks), jnp.asarray(scales), jnp.asarray(a), jnp.asarray(b),
+                      0.5, "float32")
+    ref = np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2) + 0.5 * a @ b  # [E, I, O]
+    assert w.shape == (4, 64, 48) and w[1].shape == (64, 48)
+    np.testing.assert_allclose(dense(w), ref, rtol=1e-6, atol=1e-6)
+    idx = jnp.array([3, 0, 3])
+    np.testing.assert_allclose(dense(w[idx]), ref[[3, 0, 3]], rtol=1e-6, atol=1e-6)
+    plain = jnp.ones((2, 3))
+    assert dense(plain) is plain
+
+
+# ------------------------------------------------------------------ the MoE layer, every dispatch
+
+CFG = ModelConfig(num_hidden_layers=1, num_experts=8, experts_per_token=2, vocab_size=64,
+                  hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=2,
+                  num_key_value_heads=1, expert_format="mxfp4")
+
+
+def _layers(cfg: ModelConfig, seed: int = 0) -> tuple[MoE, MoE]:
+    """(packed MoE, the same MoE with its experts dequantized on the host)."""
+    packed = MoE(cfg, rngs=nnx.Rngs(params=seed))
+    rng = np.random.default_rng(seed)
+    packed.router[...] = jnp.asarray(rng.normal(size=packed.router.shape) * 0.5, jnp.float32)
+    packed.gate_up_proj_bias[...] = jnp.asarray(rng.normal(size=(cfg.num_experts,
+                                                                 2 * cfg.intermediate_size)))
+    # Scales so that some SwiGLU inputs pass the clamp (|h| > 7).
+    b, s = _random_packed(rng, cfg.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size,
+                          (124, 127))
+    packed.gate_up_proj_blocks[...], packed.gate_up_proj_scales[...] = b, s
+    dense_layer = MoE(dataclasses.replace(cfg, expert_format="dense"), rngs=nnx.Rngs(params=9))
+    for name in ("router", "router_bias", "gate_up_proj_bias", "down_proj_bias"):
+        getattr(dense_layer, name)[...] = getattr(packed, name)[...]
+    for name in ("gate_up_proj", "down_proj"):
+        w = dequantize_mxfp4(np.asarray(getattr(packed, f"{name}_blocks")[...]),
+                             np.asarray(getattr(packed, f"{name}_scales")[...]))
+        getattr(dense_layer, name)[...] = jnp.asarray(np.swapaxes(w, -1, -2))
+    return packed, dense_layer
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
+def test_packed_layer_equals_dequantized_layer_outputs_and_input_gradients(dispatch, k):
+    # Capacity factor E / k: C = T slots, so the dropping dispatches drop nothing either.
+    cfg = dataclasses.replace(CFG, experts_per_token=k, moe_dispatch=dispatch,
+                              moe_capacity_factor=CFG.num_experts / k)
+    packed, dense_layer = _layers(cfg, seed=k)
+    x = jax.random.normal(jax.random.key(k), (2, 12, cfg.hidden_size))
+    ct = jax.random.normal(jax.random.key(7), x.shape)
+
+    def run(layer):
+        graphdef, state = nnx.split(layer)
+
+        def loss(x, state):
+            y, aux = nnx.merge(graphdef, state)(x, train=True)
+            return jnp.sum(y * ct), (y, aux.drop_fraction)
+
+        (_, (y, drop)), gx = jax.jit(jax.value_and_grad(loss, has_aux=True))(x, state)
+        return y, drop, gx
+
+    y_p, drop_p, gx_p = run(packed)
+    y_d, drop_d, gx_d = run(dense_layer)
+    h = np.einsum("td,edf->tef", np.asarray(x).reshape(24, -1), dense_layer.gate_up_proj[...])
+    assert (np.abs(h[..., 0::2]) > 7).any()  # the clamp is in play
+    assert float(drop_p) == float(drop_d) == 0.0
+    np.testing.assert_allclose(y_p, y_d, rtol=0, atol=1e-6 * (1 + float(jnp.max(jnp.abs(y_d)))))
+    np.testing.assert_allclose(gx_p, gx_d, rtol=0,
+                               atol=1e-6 * (1 + float(jnp.max(jnp.abs(gx_d)))))
+
+
+def test_gather_unpacks_only_the_chosen_experts():
+    # Decoding one token reads k of the E packed experts: the unpacked operand is [k, D, 2F],
+    # never the [E, D, 2F] stack.
+    packed, _ = _layers(CFG)
+    w = packed.expert_weights()
+    x = jnp.ones((1, CFG.hidden_size))
+    r = route(x, packed.router[...], packed.router_bias[...], CFG.experts_per_token)
+    jaxpr = jax.make_jaxpr(lambda x, r, w: DISPATCHES["gather"].fn(x, r, w, CFG))(x, r, w)
+    shapes = {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars}
+    d, f2, e = CFG.hidden_size, 2 * CFG.intermediate_size, CFG.num_experts
+    assert (2, d, f2) in shapes and (e, d, f2) not in shapes and (e, f2, d) not in shapes
+
+
+def test_packed_stacks_are_frozen_params():
+    packed, _ = _layers(CFG)
+    assert isinstance(packed.gate_up_proj_blocks, PackedParam)
+    trainable = nnx.state(packed, TRAINABLE)
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)}
+    assert names == {"router", "router_bias", "gate_up_proj_bias", "down_proj_bias"}
+    assert all(v.dtype == np.uint8 for v in jax.tree.leaves(nnx.state(packed, PackedParam)))
+    # The same logical axes as the dense stack, the 16 bytes of a block unnamed.
+    assert packed.gate_up_proj_blocks.get_metadata()["out_sharding"] == (
+        "experts", "mlp", "embed", None)
+    assert packed.down_proj_scales.get_metadata()["out_sharding"] == ("experts", "embed", "mlp")
+
+
+def test_mxfp4_needs_sizes_that_are_multiples_of_32():
+    with pytest.raises(ValueError, match="intermediate_size=48 is invalid.*multiple of 32"):
+        ModelConfig(hidden_size=64, intermediate_size=48, expert_format="mxfp4")
+    with pytest.raises(ValueError, match="expert_format='int4' is invalid"):
+        ModelConfig(expert_format="int4")
+    assert FP4_VALUES.shape == (16,)
