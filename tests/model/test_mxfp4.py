@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.experts import ExpertWeights
 from llm_jax.model.moe import MoE, route
 from llm_jax.model.moe_dispatch import DISPATCHES
 from llm_jax.model.mxfp4 import FP4_VALUES, PackedExperts, dense, unpack
