@@ -39,14 +39,27 @@ SCALE_BIAS = 127  # E8M0: byte s is 2^(s - 127)
 def unpack(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
     """blocks uint8 [..., G, 16], scales uint8 [..., G] -> values [..., G * 32] in `dtype`.
 
-    A table lookup of the 16 codes and an exact `ldexp` in float32, then one rounding-free cast
-    (every E2M1 value times 2^k is representable in bfloat16 too)."""
-    table = jnp.asarray(FP4_VALUES)
-    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # low nibble first
-    values = table[codes.astype(jnp.int32)].reshape(*blocks.shape[:-1], MXFP4_BLOCK)
-    exponents = scales.astype(jnp.int32)[..., None] - SCALE_BIAS
-    values = jnp.ldexp(values, exponents)
-    return values.reshape(*blocks.shape[:-2], -1).astype(dtype)
+    Integer work only: each value's bits are written directly. An E2M1 magnitude is 2^e times
+    1 or 1.5 (e in -1..2), so times the block's 2^(s - 127) it is the float with exponent field
+    e + s and mantissa 0 or .1 in binary, exactly, in float32 and bfloat16 alike (both have the
+    8-bit, bias-127 exponent). No float arithmetic, no table lookup (a gather that XLA
+    materialises as int32 indices), no float32 copy for a bfloat16 model: XLA fuses it into one
+    elementwise loop from the bytes to the values. Exponent fields past 254 give inf, as
+    numpy's ldexp does; those below 1 give 0 where the value would be subnormal (scale bytes 0
+    and 1 only; XLA flushes subnormals to zero in any computation). float16 (5 exponent bits)
+    goes through float32."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.float32, jnp.bfloat16):
+        return unpack(blocks, scales, jnp.float32).astype(dtype)
+    uint, width, mant = (jnp.uint32, 32, 23) if dtype == jnp.float32 else (jnp.uint16, 16, 7)
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).astype(jnp.int32)  # low first
+    mag = codes & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    exponent = jnp.where(mag >= 2, (mag >> 1) - 1, -1) + scales.astype(jnp.int32)[..., None, None]
+    bits = jnp.where(exponent >= 255, 255 << mant,
+                     (exponent << mant) | jnp.where(mag >= 2, mag & 1, 0) << (mant - 1))
+    bits = jnp.where((mag == 0) | (exponent <= 0), 0, bits) | (codes >> 3) << (width - 1)
+    values = jax.lax.bitcast_convert_type(bits.astype(uint), dtype)
+    return values.reshape(*blocks.shape[:-2], -1)
 
 
 @jax.tree_util.register_dataclass
@@ -82,11 +95,11 @@ class PackedExperts:
 
     def unpacked(self) -> jax.Array:
         """The dense stack [..., I, O] in `self.dtype`, adapter included (added in float32)."""
+        if self.lora_a is None:
+            return jnp.swapaxes(unpack(self.blocks, self.scales, self.dtype), -1, -2)
         w = jnp.swapaxes(unpack(self.blocks, self.scales, jnp.float32), -1, -2)
-        if self.lora_a is not None:
-            w = w + self.lora_scale * jnp.einsum(
-                "...ir,...ro->...io", self.lora_a.astype(jnp.float32),
-                self.lora_b.astype(jnp.float32))
+        w = w + self.lora_scale * jnp.einsum("...ir,...ro->...io", self.lora_a.astype(jnp.float32),
+                                             self.lora_b.astype(jnp.float32))
         return w.astype(self.dtype)
 
 
