@@ -2,6 +2,7 @@
 
     python -m llm_jax.serve --checkpoint PATH [--host 127.0.0.1 --port 8000] [--slots 16]
         [--max_len 2048] [--max_queue 64] [--max_prefill 8] [--request_timeout 600]
+        [--warmup all|short|none]
 
 The checkpoint is any directory `llm_jax.load_pretrained` reads; its tokenizer and chat
 template come from the same directory (llm_jax/inference/tokenizer.py). The routes are in
@@ -37,16 +38,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "waiting included")
     p.add_argument("--dtype", default=None, help="load weights and compute in this dtype")
     p.add_argument("--cache_dtype", default=None, help="KV-cache dtype (default: compute dtype)")
-    p.add_argument("--no_warmup", action="store_true", help="compile on the first request "
-                   "instead of before listening")
+    p.add_argument("--warmup", choices=("all", "short", "none"), default="all",
+                   help="before listening, compile the greedy step and prefill for every prompt "
+                   "length bucket up to --max_len (all), for prompts up to 16 tokens (short), "
+                   "or nothing (compile on first use)")
     p.add_argument("--log_level", default="info")
     return p.parse_args(argv)
 
 
 def build_server(args: argparse.Namespace):
     """(the Server, its app): the model, tokenizer and engine, warmed up unless told not to."""
-    from llm_jax.inference.engine import Engine, EngineConfig, SamplingParams
-    from llm_jax.inference.engine import Sequence as EngineSequence
+    from llm_jax.inference.engine import Engine, EngineConfig
     from llm_jax.inference.tokenizer import load_tokenizer
     from llm_jax.serving.app import Server, create_app
     from llm_jax.weights.formats import load_pretrained
@@ -55,11 +57,8 @@ def build_server(args: argparse.Namespace):
     engine = Engine(model, EngineConfig(slots=args.slots, max_len=args.max_len,
                                         max_queue=args.max_queue, max_prefill=args.max_prefill,
                                         cache_dtype=args.cache_dtype))
-    if not args.no_warmup:  # compile the greedy prefill (1 and max_prefill prompts) and step
-        for n in sorted({1, min(args.max_prefill, args.slots)}):
-            for _ in range(n):
-                engine.submit(EngineSequence([0], SamplingParams(max_new_tokens=2)))
-            engine.run_until_idle()
+    if args.warmup != "none":
+        engine.warmup(None if args.warmup == "all" else engine.prompt_buckets()[:1])
     name = args.model_name or Path(args.checkpoint).resolve().name
     server = Server(engine, load_tokenizer(args.checkpoint), name, args.request_timeout)
     return server, create_app(server)

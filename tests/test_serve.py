@@ -48,7 +48,8 @@ def server(ckpt, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "llm_jax.serve", "--checkpoint", str(ckpt), "--port", str(port),
          "--slots", str(SLOTS), "--max_len", str(MAX_LEN), "--max_queue", str(MAX_QUEUE),
-         "--max_prefill", "4", "--request_timeout", "120", "--log_level", "warning"],
+         "--max_prefill", "4", "--request_timeout", "120", "--log_level", "warning",
+         "--warmup", "short"],
         env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

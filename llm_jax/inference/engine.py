@@ -236,6 +236,32 @@ class Engine:
                     "free_slots": len(self.free), "waiting": len(self.waiting),
                     "steps": self.steps}
 
+    def prompt_buckets(self) -> list[int]:
+        """The padded prompt lengths a prefill may compile for: buckets up to max_len."""
+        out, n = [], 1
+        while not out or out[-1] < self.cfg.max_len:
+            out.append(min(bucket(n), self.cfg.max_len))
+            n = out[-1] + 1
+        return out
+
+    def warmup(self, prompt_buckets: list[int] | None = None) -> None:
+        """Compiles the greedy decode step and the greedy prefill of 1 and max_prefill prompts
+        for each bucket (default: all), writing nothing: every row aims past the pool."""
+        rows = sorted({1, min(self.cfg.max_prefill, self.cfg.slots)})
+        for p in prompt_buckets or self.prompt_buckets():
+            for n in rows:
+                z = np.zeros(n, np.int32)
+                first, self.cache = prefill_jit(
+                    self.graphdef, self.state, self.cache, np.zeros((n, p), np.int32),
+                    np.ones(n, np.int32), np.full(n, self.cfg.slots, np.int32), z,
+                    np.zeros(n, np.float32), z, np.ones(n, np.float32), mode=0,
+                    max_len=self.cfg.max_len, cache_dtype=self.cache_dtype)
+        with self.lock:
+            if self.running:
+                raise RuntimeError("warmup() runs before any sequence does")
+        self._decode_all(mode=0)
+        jax.block_until_ready(self.cache)
+
     def run_until_idle(self) -> None:
         while self.step():
             pass
@@ -364,17 +390,20 @@ class Engine:
         for i, seq in enumerate(batch):
             self._accept(seq, int(first[i]))
 
-    def _decode(self) -> None:
-        running = list(self.running.items())
-        mode = max(s.params.mode for _, s in running)
+    def _decode_all(self, mode: int) -> np.ndarray:
+        """One decode step over every row (idle rows: token 0 at position 0)."""
         idle = np.ones(self.cfg.slots, bool)
-        idle[[b for b, _ in running]] = False
+        idle[list(self.running)] = False
         self.tokens_B[idle] = 0
         self.positions_B[idle] = 0
         tokens, self.cache = decode_jit(
             self.graphdef, self.state, self.layers, self.cache, self.tokens_B, self.positions_B,
             self.seeds_B, self.steps_B, self.temps_B, self.top_k_B, self.top_p_B, mode=mode)
-        tokens = np.asarray(tokens)
+        return np.asarray(tokens)
+
+    def _decode(self) -> None:
+        running = list(self.running.items())
+        tokens = self._decode_all(max(s.params.mode for _, s in running))
         self.steps += 1
         for b, seq in running:
             if seq.finish_reason is None:
