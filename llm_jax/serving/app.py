@@ -6,9 +6,9 @@
     POST /v1/chat/completions  messages through the checkpoint's chat template
 
 Both POST routes take max_tokens, temperature, top_p, stop, seed and stream (server-sent events
-ending with `data: [DONE]`). The engine steps in its own thread; each request's tokens reach
-the event loop through `loop.call_soon_threadsafe`, turned into text by `StopText` (so a stop
-string never reaches the client). Errors are OpenAI error objects: 400 for a bad request
+ending with `data: [DONE]`). The engine steps in its own thread; each request's tokens are
+turned into text there by `StopText` (so a stop string never reaches the client) and reach the
+event loop through one `Mailbox` (one wake-up per batch of events). Errors are OpenAI error objects: 400 for a bad request
 (malformed JSON, a wrong type, a prompt that does not fit, no chat template), 429 when the
 queue is full, 503 while shutting down, 504 past the request timeout. A client that goes away
 cancels its sequences, which frees their slots at the next step.
@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import random
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -63,6 +64,34 @@ class Server:
     tokenizer: CheckpointTokenizer | None
     model_name: str
     request_timeout: float = 600.0
+    _mailbox: Mailbox | None = None
+
+    def mailbox(self) -> Mailbox:
+        """The running event loop's mailbox (made on first use, inside the loop)."""
+        if self._mailbox is None:
+            self._mailbox = Mailbox(asyncio.get_running_loop())
+        return self._mailbox
+
+
+class Mailbox:
+    """Moves events from the engine thread onto asyncio queues, one wake-up of the event loop per
+    batch of events (an engine step makes one per running sequence) instead of one per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.pending, self.lock = loop, [], threading.Lock()
+
+    def post(self, queue: asyncio.Queue, event: Any) -> None:
+        with self.lock:
+            self.pending.append((queue, event))
+            first = len(self.pending) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
 
 
 class _Stream:
@@ -70,7 +99,7 @@ class _Stream:
     (choice index, new text, finish reason or None)."""
 
     def __init__(self, server: Server, stop: list[str], n: int):
-        self.loop = asyncio.get_running_loop()
+        self.mailbox = server.mailbox()
         self.queue: asyncio.Queue[tuple[int, str, str | None]] = asyncio.Queue()
         decode = server.tokenizer.decode if server.tokenizer else (
             lambda ids: "".join(f" {i}" for i in ids))
@@ -88,7 +117,7 @@ class _Stream:
                 if not delta:
                     return text.stopped
                 event = (index, delta, None)
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.mailbox.post(self.queue, event)
             return text.stopped
 
         return on_token
