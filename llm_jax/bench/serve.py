@@ -11,7 +11,8 @@ each makes exactly new_tokens), all sent at once; aggregate tokens/s end to end 
 to last token) and in the steady window (every request streaming, from the last first token to
 the first finish), beside `sample` on the same prompts as one batch in this process (end to
 end, and decode = B (N - 1) / (total - prefill)). Latency: a 16-token prompt asking for one
-token, alone on the idle server and while requests - 1 long requests stream; medians.
+token, alone on the idle server and while requests - 1 long requests stream (sent once all of
+them have their first token, so no long prefill is in the way); medians.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def start_server(ckpt: Path, slots: int, max_len: int, log: Path) -> tuple[subpr
     raise RuntimeError(f"the server did not start:\n{log.read_text()[-3000:]}")
 
 
-async def _stream(client, url: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
-    """One streaming completion: when it was sent, each token's arrival time."""
+async def _stream(client, url: str, prompt: list[int], new_tokens: int,
+                  started: asyncio.Event | None = None) -> dict[str, Any]:
+    """One streaming completion: when it was sent, each token's arrival time; `started` is set
+    at its first token."""
     t0, times = time.perf_counter(), []
     body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -80,6 +83,8 @@ async def _stream(client, url: str, prompt: list[int], new_tokens: int) -> dict[
             if line.startswith("data: {"):
                 if json.loads(line[6:])["choices"][0]["text"]:
                     times.append(time.perf_counter())
+                    if started is not None:
+                        started.set()
     return {"sent": t0, "times": times}
 
 
@@ -113,9 +118,12 @@ async def _latency(url: str, short: list[int], long_prompts: list[list[int]],
         for _ in range(tries):
             r = await _stream(client, url, short, 1)
             alone.append(r["times"][0] - r["sent"])
-        background = [asyncio.create_task(_stream(client, url, p, long_tokens))
-                      for p in long_prompts]
-        await asyncio.sleep(0.5)  # ... until they all stream
+        started = [asyncio.Event() for _ in long_prompts]
+        background = [asyncio.create_task(_stream(client, url, p, long_tokens, e))
+                      for p, e in zip(long_prompts, started)]
+        for e in started:  # every long request streams (all prefilled) ...
+            await e.wait()
+        await asyncio.sleep(0.02)
         busy = []
         for _ in range(tries):
             r = await _stream(client, url, short, 1)
