@@ -166,3 +166,30 @@ def test_warmup_compiles_every_prompt_bucket_and_changes_no_result(model):
     for p, s in zip(prompts, seqs):
         assert s.tokens == sample(model, p, max_new_tokens=6)
     assert one.tokens == seqs[1].tokens
+
+
+def test_a_failing_step_ends_its_sequences_with_an_error_and_the_engine_goes_on(model,
+                                                                                 monkeypatch):
+    import llm_jax.inference.engine as engine_module
+
+    engine = Engine(model, ENGINE)
+    real = engine_module.decode_jit
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decode_jit", broken)
+    engine.start()
+    try:
+        bad = engine.submit(Sequence(PROMPTS[0], SamplingParams(max_new_tokens=5)))
+        assert bad.done.wait(120) and bad.finish_reason == "error"
+        good = engine.submit(Sequence(PROMPTS[0], SamplingParams(max_new_tokens=5)))
+        assert good.done.wait(120) and good.finish_reason == "length"
+        assert good.tokens == sample(model, PROMPTS[0], max_new_tokens=5)
+    finally:
+        engine.close()
+    assert engine.stats()["free_slots"] == ENGINE.slots

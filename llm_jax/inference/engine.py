@@ -305,6 +305,9 @@ class Engine:
                 log.exception("engine step failed; finishing its sequences with an error")
                 for seq in list(self.running.values()):
                     self._finish(seq, "error")
+                # the step may have consumed the donated pool: start from an empty one
+                self.cache = init_cache(self.model.cfg, self.cfg.slots, self.cfg.max_len,
+                                        self.cache_dtype)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.finish_reason is not None:
