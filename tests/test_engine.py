@@ -5,9 +5,7 @@ strings, stop tokens and per-request settings, and streamed text never shows a s
 
 from __future__ import annotations
 
-import time
 
-import numpy as np
 import pytest
 
 from llm_jax.config import ModelConfig

@@ -1,10 +1,10 @@
 """Scoring: batched log-likelihoods (padded and packed) equal one full forward per request
-(each token's log-probability within 1e-5, float32, so a sum of n within n 1e-5), greediness matches the argmax, long requests are cut on the left, rolling
-windows score every token once, and bad requests raise a ValueError naming them."""
+(each token's log-probability within 1e-5, float32, so a sum of n within n 1e-5), greediness
+matches the argmax, long requests are cut on the left, rolling windows score every token once,
+and bad requests raise a ValueError naming them."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,7 +103,8 @@ def test_rolling_loglikelihood_with_the_whole_text_in_one_window_is_one_forward(
     assert abs(total - want) <= TOL * len(tokens)
     (windowed,) = loglikelihood_rolling(model, [tokens], prefix_id=2, max_length=8)
     pieces = rolling_windows(tokens, 2, 8)
-    assert abs(windowed - sum(forward_score(model, c, t)[0] for c, t in pieces)) <= TOL * len(tokens)
+    want = sum(forward_score(model, c, t)[0] for c, t in pieces)
+    assert abs(windowed - want) <= TOL * len(tokens)
 
 
 @pytest.mark.parametrize("reqs, match", [

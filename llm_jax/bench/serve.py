@@ -181,7 +181,7 @@ def run(*, repeats: int = 3, quick: bool = False, requests: int = 32, new_tokens
             asyncio.run(_load(url, prompts, new_tokens))  # compiles every prompt bucket
             loads = [asyncio.run(_load(url, prompts, new_tokens)) for _ in range(repeats)]
             latency = asyncio.run(_latency(url, short, prompts[:requests - 1], new_tokens,
-                                           tries=max(3, repeats)))
+                                           tries=max(11, repeats)))
         finally:
             proc.terminate()
             proc.wait(60)

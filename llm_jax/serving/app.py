@@ -8,10 +8,11 @@
 Both POST routes take max_tokens, temperature, top_p, stop, seed and stream (server-sent events
 ending with `data: [DONE]`). The engine steps in its own thread; each request's tokens are
 turned into text there by `StopText` (so a stop string never reaches the client) and reach the
-event loop through one `Mailbox` (one wake-up per batch of events). Errors are OpenAI error objects: 400 for a bad request
-(malformed JSON, a wrong type, a prompt that does not fit, no chat template), 429 when the
-queue is full, 503 while shutting down, 504 past the request timeout. A client that goes away
-cancels its sequences, which frees their slots at the next step.
+event loop through one `Mailbox` (one wake-up per batch of events). Errors are OpenAI error
+objects: 400 for a bad request (malformed JSON, a wrong type, a prompt that does not fit, no
+chat template), 429 when the queue is full, 503 while shutting down, 504 past the request
+timeout. A client that goes away cancels its sequences, which frees their slots at the next
+step.
 """
 
 from __future__ import annotations
