@@ -14,6 +14,7 @@ from llm_jax.inference.scoring import loglikelihood, loglikelihood_rolling, roll
 from llm_jax.model import init_model
 
 TOL = 1e-5
+REF_LEN = 64
 CFG = ModelConfig(
     num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=97, hidden_size=32,
     intermediate_size=32, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
@@ -27,9 +28,12 @@ def model():
 
 
 def forward_score(model, context, continuation) -> tuple[float, bool]:
-    """The reference: one forward over the request alone, no padding, log-softmax in numpy."""
+    """The reference: one forward over the request alone, log-softmax in numpy. The input is
+    right-padded to REF_LEN (by causality the padding changes nothing before it), so that every
+    reference shares one compiled forward."""
     full = list(context) + list(continuation)
-    logits = np.asarray(model(jnp.asarray([full[:-1]], jnp.int32))[0], np.float64)
+    inputs = full[:-1] + [0] * (REF_LEN - len(full) + 1)
+    logits = np.asarray(model(jnp.asarray([inputs], jnp.int32))[0], np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
                            keepdims=True)) - logits.max(-1, keepdims=True)
     n = len(continuation)
