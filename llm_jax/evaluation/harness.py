@@ -98,7 +98,8 @@ class LlmJaxLM(TemplateLM):
             new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
             sampled = _flag(kwargs.pop("do_sample", False))
             temperature = float(kwargs.pop("temperature", 0.0)) if sampled else 0.0
-            prompt = self.tok_encode(context)[-(self.max_length - new):] or [self.eot_token_id]
+            keep = max(1, self.max_length - new)  # the context's last tokens that fit
+            prompt = self.tok_encode(context)[-keep:] or [self.eot_token_id]
             gens.append(GenerationRequest(
                 prompt, max_new_tokens=new, temperature=temperature,
                 top_p=float(kwargs.pop("top_p", 1.0)) if sampled else 1.0,
