@@ -236,6 +236,11 @@ class Engine:
                     "free_slots": len(self.free), "waiting": len(self.waiting),
                     "steps": self.steps}
 
+    @property
+    def prefill_rows(self) -> int:
+        """Rows of a prefill of several prompts (one prompt alone runs in one row)."""
+        return min(self.cfg.max_prefill, self.cfg.slots)
+
     def prompt_buckets(self) -> list[int]:
         """The padded prompt lengths a prefill may compile for: buckets up to max_len."""
         out, n = [], 1
@@ -247,7 +252,7 @@ class Engine:
     def warmup(self, prompt_buckets: list[int] | None = None) -> None:
         """Compiles the greedy decode step and the greedy prefill of 1 and max_prefill prompts
         for each bucket (default: all), writing nothing: every row aims past the pool."""
-        rows = sorted({1, min(self.cfg.max_prefill, self.cfg.slots)})
+        rows = sorted({1, self.prefill_rows})
         for p in prompt_buckets or self.prompt_buckets():
             for n in rows:
                 z = np.zeros(n, np.int32)
@@ -370,7 +375,7 @@ class Engine:
                 self.running[slot] = seq
         if not batch:
             return
-        rows = 1 if n == 1 else self.cfg.max_prefill
+        rows = 1 if n == 1 else self.prefill_rows
         p = min(bucket(max(len(s.prompt) for s in batch)), self.cfg.max_len)
         tokens = np.zeros((rows, p), np.int32)
         lengths = np.ones(rows, np.int32)
