@@ -124,16 +124,40 @@ def test_generate_until_honours_stop_strings_stop_tokens_and_per_request_setting
 
 
 def test_streamed_text_never_shows_a_stop_string_or_half_a_character():
-    pieces = {1: "he", 2: "llo", 3: " wo", 4: "rld", 5: "\xe9"}
-    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    pieces = {1: b"he", 2: b"llo", 3: b" wo", 4: b"rld", 5: b"\xc3", 6: b"\xa9", 7: b"!"}
+
+    def decode(ids: list[int]) -> str:  # byte-level, as a BPE or byte-fallback tokenizer
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
     t = StopText(decode, stop=["lo w", "xyz"])
     out = [t.push(1), t.push(2), t.push(3)]
     assert out == ["he", "l", ""] and t.stopped and t.text == "hel"
     t = StopText(decode, stop=["ld!"])
     shown = "".join(t.push(i) for i in (1, 2, 3, 4)) + t.finish()
     assert shown == "hello world" and not t.stopped
-    t = StopText(lambda ids: "ab\ufffd" if len(ids) == 1 else "ab\xe9")
-    assert t.push(1) == "ab" and t.push(2) == "\xe9"
+    t = StopText(decode)
+    assert [t.push(1), t.push(5), t.push(6), t.push(7)] == ["he", "", "\xe9", "!"]
+    t = StopText(decode)
+    assert [t.push(1), t.push(5), t.finish()] == ["he", "", "\ufffd"]  # cut off mid-character
+    t = StopText(decode, stop=["\xe9!"])  # a stop string that starts inside a character
+    assert "".join([t.push(1), t.push(5), t.push(6), t.push(7)]) == "he" and t.stopped
+
+
+def test_incremental_text_equals_decoding_everything_at_once():
+    from llm_jax.inference.tokenizer import load_tokenizer
+    from tiny_checkpoint import make_checkpoint
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        tok = load_tokenizer(make_checkpoint(Path(d) / "ck"))
+    ids = tok.encode("the cat sat on a mat \u00e9t\u00e9 \U0001f389 near blue water " * 3)
+    for stop in ([], ["blue w"]):
+        t = StopText(tok.decode, stop)
+        shown = "".join(t.push(i) for i in ids) + t.finish()
+        full = tok.decode(ids)
+        assert shown == (full[:full.find(stop[0])] if stop else full)
 
 
 def test_the_engine_thread_serves_submissions_from_other_threads(model):

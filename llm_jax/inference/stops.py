@@ -30,13 +30,21 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 
 class StopText:
     """`push(token)` -> the newly final text; `stopped` once a stop string appeared (the text
-    ends before it); `finish()` -> whatever was held back, at the end of the sequence."""
+    ends before it); `finish()` -> whatever was held back, at the end of the sequence.
+
+    Decoding is incremental (as transformers' TextStreamer and vLLM do): each push decodes the
+    few tokens since the last complete character twice, with and without the newest, from the
+    same earlier token, so a tokenizer that treats a text's first piece specially (a leading
+    space) does so in both and the difference is exactly the new text; a push costs the same
+    at the 1st token and the 10,000th."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
         self.decode = decode
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
-        self.text = ""  # everything final or held back, cut at a stop string
+        self.prefix_at = 0  # ids[prefix_at:read_at] decode to text already in `text`
+        self.read_at = 0
+        self.text = ""  # everything decoded (final or held back), cut at a stop string
         self.sent = 0  # characters of `text` already returned
         self.stopped = False
 
@@ -44,19 +52,31 @@ class StopText:
         if self.stopped:
             return ""
         self.ids.append(token)
-        text = self.decode(self.ids)
-        if not text.startswith(self.text[:self.sent]):  # a tokenizer that rewrote earlier text
-            return ""
-        cut = min((i for s in self.stop if (i := text.find(s, max(0, self.sent - len(s) + 1)))
-                   >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.stopped = text[:cut], True
-            return self._release(len(self.text))
-        self.text = text
-        return self._release(len(text) - _held_back(text[self.sent:], self.stop))
+        prefix = self.decode(self.ids[self.prefix_at:self.read_at])
+        window = self.decode(self.ids[self.prefix_at:])
+        if len(window) <= len(prefix) or window.endswith(REPLACEMENT):
+            return ""  # inside a character (or a token with no text yet): wait for more
+        self._add(window[len(prefix):])
+        self.prefix_at, self.read_at = self.read_at, len(self.ids)
+        return self._release(len(self.text) - _held_back(self.text[self.sent:], self.stop))
 
     def finish(self) -> str:
+        if not self.stopped and self.read_at < len(self.ids):  # an unfinished character
+            prefix = self.decode(self.ids[self.prefix_at:self.read_at])
+            self._add(self.decode(self.ids[self.prefix_at:])[len(prefix):])
+            self.read_at = len(self.ids)
         return self._release(len(self.text))
+
+    def _add(self, new: str) -> None:
+        """Appends decoded text, cutting it at the first stop string (which may begin in text
+        already there but not yet sent)."""
+        start = len(self.text)
+        self.text += new
+        cut = min((i for s in self.stop
+                   if (i := self.text.find(s, max(self.sent, start - len(s) + 1))) >= 0),
+                  default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
 
     def _release(self, upto: int) -> str:
         out = self.text[self.sent:upto] if upto > self.sent else ""
