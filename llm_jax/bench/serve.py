@@ -5,7 +5,8 @@ latency of a short request that arrives while long ones run.
         [--min_prompt 16] [--max_prompt 256]
 
 Random weights of configs/tiny.py's model, saved and served by `python -m llm_jax.serve` in a
-process of its own (slots = requests, max_len as `sample` would size its cache). Throughput:
+process of its own (slots = requests, max_len as `sample` would size its cache), the client a
+bare asyncio HTTP/1.1 reader in this process (it shares the cores: no JSON parsing). Throughput:
 `requests` streaming greedy completions of mixed prompt lengths (token-id prompts, no EOS, so
 each makes exactly new_tokens), all sent at once; aggregate tokens/s end to end (first byte sent
 to last token) and in the steady window (every request streaming, from the last first token to
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +52,6 @@ def _free_port() -> int:
 
 
 def start_server(ckpt: Path, slots: int, max_len: int, log: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
-
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "llm_jax.serve", "--checkpoint", str(ckpt), "--port", str(port),
@@ -61,42 +62,53 @@ def start_server(ckpt: Path, slots: int, max_len: int, log: Path) -> tuple[subpr
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"the server did not start:\n{log.read_text()[-3000:]}")
 
 
-async def _stream(client, url: str, prompt: list[int], new_tokens: int,
+async def _stream(url: str, prompt: list[int], new_tokens: int,
                   started: asyncio.Event | None = None) -> dict[str, Any]:
-    """One streaming completion: when it was sent, each token's arrival time; `started` is set
-    at its first token."""
+    """One streaming completion over a bare HTTP/1.1 connection: when it was sent, each token's
+    arrival time; `started` is set at its first token. The client shares the machine's cores
+    with the server, so it only splits the stream into events and looks for an empty text,
+    without a JSON parser or an HTTP library's per-line work."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
     t0, times = time.perf_counter(), []
-    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
-        async for line in r.aiter_lines():
-            # a chunk with text (the client's own work is kept small: it shares the machine)
-            if line.startswith("data: {") and '"text": ""' not in line:
-                if '"error"' not in line:
-                    times.append(time.perf_counter())
-                    if started is not None:
-                        started.set()
-                else:
-                    raise RuntimeError(f"the server sent an error: {line}")
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                 % len(body) + body)
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"the server answered {status!r}: {await reader.read()!r}")
+    while await reader.readline() not in (b"\r\n", b""):  # headers
+        pass
+    buf = b""
+    while data := await reader.read(1 << 16):
+        now = time.perf_counter()
+        *events, buf = (buf + data).split(b"\n\n")
+        for ev in events:
+            if b"data: {" in ev and b'"text": ""' not in ev:
+                if b'"error"' in ev:
+                    raise RuntimeError(f"the server sent an error: {ev!r}")
+                times.append(now)
+                if started is not None:
+                    started.set()
+    writer.close()
     return {"sent": t0, "times": times}
 
 
 async def _load(url: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        out = await asyncio.gather(*(_stream(client, url, p, new_tokens) for p in prompts))
+    t0 = time.perf_counter()
+    out = await asyncio.gather(*(_stream(url, p, new_tokens) for p in prompts))
     end = max(o["times"][-1] for o in out)
     tokens = sum(len(o["times"]) for o in out)
     window_start = max(o["times"][0] for o in out)  # every request streaming from here ...
@@ -112,26 +124,22 @@ async def _load(url: str, prompts: list[list[int]], new_tokens: int) -> dict[str
 async def _latency(url: str, short: list[int], long_prompts: list[list[int]],
                    long_tokens: int, tries: int) -> dict[str, Any]:
     """First-token seconds of `short` (one new token) alone, then while the long ones run."""
-    import httpx
-
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(
-            max_connections=len(long_prompts) + 4)) as client:
-        alone = []
-        for _ in range(tries):
-            r = await _stream(client, url, short, 1)
-            alone.append(r["times"][0] - r["sent"])
-        started = [asyncio.Event() for _ in long_prompts]
-        background = [asyncio.create_task(_stream(client, url, p, long_tokens, e))
-                      for p, e in zip(long_prompts, started)]
-        for e in started:  # every long request streams (all prefilled) ...
-            await e.wait()
-        await asyncio.sleep(0.02)
-        busy = []
-        for _ in range(tries):
-            r = await _stream(client, url, short, 1)
-            busy.append(r["times"][0] - r["sent"])
-            await asyncio.sleep(0.05)
-        await asyncio.gather(*background)
+    alone = []
+    for _ in range(tries):
+        r = await _stream(url, short, 1)
+        alone.append(r["times"][0] - r["sent"])
+    started = [asyncio.Event() for _ in long_prompts]
+    background = [asyncio.create_task(_stream(url, p, long_tokens, e))
+                  for p, e in zip(long_prompts, started)]
+    for e in started:  # every long request streams (all prefilled) ...
+        await e.wait()
+    await asyncio.sleep(0.02)
+    busy = []
+    for _ in range(tries):
+        r = await _stream(url, short, 1)
+        busy.append(r["times"][0] - r["sent"])
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*background)
     return {"alone_s": median(alone), "busy_s": median(busy), "alone_times_s": alone,
             "busy_times_s": busy, "ratio": median(busy) / median(alone)}
 
