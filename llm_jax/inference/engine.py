@@ -160,9 +160,12 @@ def _prefill_into(graphdef, state, cache, tokens_nP, lengths_n, slots_n, seeds_n
     return _pick(logits_nV, seeds_n, steps_n, temps_n, top_k_n, top_p_n, mode), cache
 
 
-def _decode(graphdef, state, layers, cache, tokens_B, positions_B, seeds_B, steps_B, temps_B,
+def _decode(graphdef, treedef, weights, cache, tokens_B, positions_B, seeds_B, steps_B, temps_B,
             top_k_B, top_p_B, *, mode: int):
-    """(next tokens [B], the pool with each row's fed token written at its position)."""
+    """(next tokens [B], the pool with each row's fed token written at its position).
+    `weights`: the leaves of (state, sliced layers or None), flattened once by the Engine: a
+    call then flattens a list instead of NNX states (0.7 -> 0.2 ms of dispatch per step)."""
+    state, layers = jax.tree.unflatten(treedef, weights)
     model = nnx.merge(graphdef, state)
     logits_BV, cache = decode_step(model, tokens_B, positions_B, cache, layers)
     return _pick(logits_BV, seeds_B, steps_B, temps_B, top_k_B, top_p_B, mode), cache
@@ -170,7 +173,8 @@ def _decode(graphdef, state, layers, cache, tokens_B, positions_B, seeds_B, step
 
 prefill_jit = jax.jit(_prefill_into, static_argnames=("graphdef", "mode", "max_len",
                                                       "cache_dtype"), donate_argnames=("cache",))
-decode_jit = jax.jit(_decode, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
+decode_jit = jax.jit(_decode, static_argnames=("graphdef", "treedef", "mode"),
+                     donate_argnames=("cache",))
 
 
 class Engine:
@@ -186,6 +190,7 @@ class Engine:
         nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(model.layers)))
         self.layers = (jax.jit(lambda s: nnx.merge(self.graphdef, s).layer_states())(self.state)
                        if backend() == "cpu" and nbytes <= SLICE_LAYERS_MAX_BYTES else None)
+        self.weights, self.treedef = jax.tree.flatten((self.state, self.layers))
         b = cfg.slots
         self.tokens_B, self.positions_B = np.zeros(b, np.int32), np.zeros(b, np.int32)
         self.seeds_B, self.steps_B = np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -405,7 +410,7 @@ class Engine:
         self.tokens_B[idle] = 0
         self.positions_B[idle] = 0
         tokens, self.cache = decode_jit(
-            self.graphdef, self.state, self.layers, self.cache, self.tokens_B, self.positions_B,
+            self.graphdef, self.treedef, self.weights, self.cache, self.tokens_B, self.positions_B,
             self.seeds_B, self.steps_B, self.temps_B, self.top_k_B, self.top_p_B, mode=mode)
         return np.asarray(tokens)
 
