@@ -4,7 +4,7 @@
         python -m llm_jax.train --config configs/tiny.py --config.mesh.dcn_data=2 ...
 
 Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT (a free port), JAX_NUM_PROCESSES,
-JAX_PROCESS_ID (read by llm_jax.distributed.initialize) and JAX_NUM_CPU_DEVICES (JAX's own
+JAX_PROCESS_ID (read by llm_jax.parallel.distributed.initialize) and JAX_NUM_CPU_DEVICES (JAX's own
 setting: that many CPU devices per process; collectives between processes go through gloo).
 Output lines are prefixed with the process id. If one process fails, the others are stopped;
 the exit status is the first non-zero one. Nothing listens or connects beyond 127.0.0.1.

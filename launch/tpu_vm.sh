@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train on a Cloud TPU VM slice: create it, copy this repo to every worker, install, run on all
 # workers at once, stop / delete. Every worker runs the same command; JAX finds the other
-# workers by itself (TPU_WORKER_HOSTNAMES / the metadata server), so llm_jax.distributed needs
+# workers by itself (TPU_WORKER_HOSTNAMES / the metadata server), so llm_jax.parallel.distributed needs
 # no coordinator address here.
 #
 #   launch/tpu_vm.sh create            # one slice (TPU_NAME, ZONE, ACCELERATOR, VERSION below)

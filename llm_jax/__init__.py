@@ -19,7 +19,7 @@ _EXPORTS = {
     "ModelConfig": "llm_jax.config",
     "Transformer": "llm_jax.model.transformer",
     "init_model": "llm_jax.model.transformer",
-    "load_pretrained": "llm_jax.weights.formats",
+    "load_pretrained": "llm_jax.weights.readers",
     "sample": "llm_jax.inference.sampler",
 }
 __all__ = sorted(_EXPORTS)

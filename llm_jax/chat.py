@@ -17,11 +17,21 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from llm_jax.inference.engine import (
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    Sequence as EngineSequence,
+)
+from llm_jax.inference.stops import StopText
+from llm_jax.inference.tokenizer import load_tokenizer
+from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.runtime.malloc import use_preferred_malloc
+from llm_jax.weights.readers import load_pretrained
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m llm_jax.chat", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m llm_jax.chat", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="a directory `load_pretrained` reads, "
                    "with tokenizer.json and a chat template")
     p.add_argument("--system", default=None, help="system message")
@@ -50,9 +60,6 @@ def _fit(tok, history: list[dict], max_prompt: int) -> list[int]:
 
 def chat(engine, tok, args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     """The loop: read a line, reply, repeat."""
-    from llm_jax.inference.engine import SamplingParams, Sequence as EngineSequence
-    from llm_jax.inference.stops import StopText
-
     history = [{"role": "system", "content": args.system}] if args.system else []
     params = dict(max_new_tokens=args.max_tokens, temperature=args.temperature,
                   top_p=args.top_p, stop_ids=tok.stop_ids)
@@ -96,10 +103,6 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None,
          stdout: TextIO | None = None) -> int:
     args = _parse_args(argv)
     try:
-        from llm_jax.inference.engine import Engine, EngineConfig
-        from llm_jax.inference.tokenizer import load_tokenizer
-        from llm_jax.weights.formats import load_pretrained
-
         tok = load_tokenizer(args.checkpoint)
         if tok is None or not tok.has_chat_template:
             raise ValueError(f"{args.checkpoint} has no tokenizer.json with a chat template")

@@ -1,7 +1,119 @@
 """`python -m llm_jax.compile`: the train step compiled ahead of time for a TPU slice or a
-simulated CPU mesh, with its per-chip memory (llm_jax/parallel/aot.py)."""
+simulated CPU mesh, with its per-chip memory (the compiling is llm_jax/training/aot.py).
+
+    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5p-32 \\
+        --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\
+        [--config.model.moe_dispatch=expert_parallel ...] [--json]
+    python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
+
+With --topology the devices are libtpu's compile-only description of that TPU slice (pip install
+"llm_jax[tpu]"; no TPU needed); with --cpu_devices N, N simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+from llm_jax.model.costs import format_bytes
+from llm_jax.parallel.sharding import parse_mesh
+from llm_jax.runtime.cli import fail, parse_flags
+from llm_jax.training.aot import compile_train_step, tpu_devices
+
+
+def format_result(r: dict[str, Any]) -> str:
+    b, e = r["bytes"], r["estimate"]
+    mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items())
+    fits = ("no HBM size known for this device" if r["fits"] is None else
+            f"{'fits' if r['fits'] else 'does NOT fit'} in {format_bytes(r['hbm_bytes'])} HBM")
+    return "\n".join([
+        f"# {r['name']} train step on {r['devices']} x {r['device_kind']}, mesh {mesh}, "
+        f"batch {r['batch']} x seq {r['seq_len']}, dispatch {r['moe_dispatch']}, "
+        f"remat {r['remat']}",
+        f"lowered in {r['lower_seconds']:.1f} s, compiled in {r['compile_seconds']:.1f} s",
+        "per chip, compiled (memory_analysis):",
+        f"  arguments {format_bytes(b['arguments'])} (params + optimizer state + batch), outputs "
+        f"{format_bytes(b['outputs'])} of which aliased (donated) {format_bytes(b['aliased'])}, temporaries "
+        f"{format_bytes(b['temp'])}, code {format_bytes(b['code'])}",
+        f"  total {format_bytes(b['total'])}: {fits}",
+        f"per chip, estimated (costs.memory_per_device): params {format_bytes(e['params'])}, grads "
+        f"{format_bytes(e['grads'])}, Adam m+v {format_bytes(e['adam_m_v'])}, activations "
+        f"{format_bytes(e['activations'])}, total {format_bytes(e['total'])}",
+        *_roofline_lines(r),
+    ])
+
+
+def _roofline_lines(r: dict[str, Any]) -> list[str]:
+    """The kernels found in the compiled program, its cost and roofline (when known)."""
+    if "cost" not in r:
+        return []
+    c, rf = r["cost"], r["roofline"]
+    found = ", ".join(f"{n} x{k}" for n, k in sorted(r["kernels"].items())) or "none"
+    lines = [f"selected: {r['selected']}; Pallas kernels in the compiled program: {found}",
+             f"per chip, compiled (cost_analysis): {c['flops']:.4g} FLOPs, {c['bytes']:.4g} bytes "
+             f"accessed; model FLOPs {r['model_flops_per_chip']:.4g}"]
+    if rf is not None:
+        lines.append(
+            f"roofline on {rf['peak_flops'] / 1e12:.0f} TFLOP/s, {rf['hbm_bandwidth'] / 1e9:.0f} "
+            f"GB/s: step >= {rf['step_seconds'] * 1e3:.1f} ms ({rf['bound']}-bound; FLOPs "
+            f"{rf['flops_seconds'] * 1e3:.1f} ms, bytes {rf['bytes_seconds'] * 1e3:.1f} ms), "
+            f"MFU <= {rf['mfu_bound']:.1%}")
+    return lines
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    FLAGS = flags.FLAGS
+    try:
+        if FLAGS.topology:
+            devices = tpu_devices(FLAGS.topology, FLAGS.num_slices)
+        else:
+            devices = jax.devices()
+        mesh = parse_mesh(FLAGS.mesh, allow_fill=True) if FLAGS.mesh else None
+        dcn = parse_mesh(FLAGS.dcn) if FLAGS.dcn else None
+        result = compile_train_step(FLAGS.config, devices, mesh=mesh, dcn=dcn, batch=FLAGS.batch,
+                                    seq_len=FLAGS.seq_len)
+    except (ValueError, RuntimeError) as e:
+        fail("llm_jax.compile", e)
+    print(json.dumps(result, indent=2) if FLAGS.json else format_result(result))
+
+
+def _define_flags() -> None:
+    config_flags.DEFINE_config_file("config", None, "configs/*.py file with get_config()",
+                                    lock_config=True)
+    flags.DEFINE_string("topology", "", "TPU slice, e.g. v5p-32, v5e-16, v6e-64 or v5p:2x2x4 "
+                        "('' = this machine's devices)")
+    flags.DEFINE_integer("num_slices", 1, "TPU slices joined by DCN (multi-slice)")
+    flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (no --topology)")
+    flags.DEFINE_string("mesh", "", "mesh axis sizes within a slice, one may be -1, e.g. "
+                        "fsdp=-1,expert=4 ('' = the config's mesh section)")
+    flags.DEFINE_string("dcn", "", "mesh axis sizes across slices, e.g. data=2")
+    flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
+    flags.DEFINE_integer("seq_len", None, "sequence length (default: data.seq_len)")
+    flags.DEFINE_bool("json", False, "print the result as JSON")
+    flags.mark_flag_as_required("config")
+
+
+def _cpu_devices_from_argv(argv: list[str]) -> None:
+    """--cpu_devices must take effect before JAX creates its CPU backend."""
+    for i, a in enumerate(argv):
+        value = a.partition("=")[2] if a.startswith("--cpu_devices=") else (
+            argv[i + 1] if a == "--cpu_devices" and i + 1 < len(argv) else None)
+        if value and int(value) > 0:
+            jax.config.update("jax_num_cpu_devices", int(value))
+
+
+def cli() -> None:
+    """`python -m llm_jax.compile`."""
+    _define_flags()
+    _cpu_devices_from_argv(sys.argv)
+    app.run(main, flags_parser=parse_flags("llm_jax.compile"))
+
 
 if __name__ == "__main__":
-    from llm_jax.parallel.aot import cli
-
     cli()

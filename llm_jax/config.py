@@ -19,7 +19,7 @@ import jax.numpy as jnp
 # model/moe_dispatch.py's table; "auto" picks a dropless one by shape and backend.
 MOE_DISPATCHES = ("auto", "dense", "ragged", "gather", "blocked", "gmm", "capacity",
                   "expert_parallel", "expert_parallel_gmm")
-# kernels/select.py's table; "auto" picks by backend and shape.
+# model/select.py's table; "auto" picks by backend and shape.
 ATTENTION_IMPLS = ("auto", "direct", "blockwise", "splash", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rms", "layer")

@@ -16,12 +16,13 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from llm_jax.weights import formats as checkpoint_io
+from llm_jax.runtime.cli import ArgumentParser
+from llm_jax.weights import readers, writers
 
 WRITERS = {
-    "hf": checkpoint_io.save_hf,
-    "openai": checkpoint_io.save_openai,
-    "llm_jax": checkpoint_io.save_llm_jax,
+    "hf": writers.save_hf,
+    "openai": writers.save_openai,
+    "llm_jax": writers.save_llm_jax,
 }
 
 
@@ -31,7 +32,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, dtype: str | None = No
     if to not in WRITERS:
         raise ValueError(f"--to={to!r} is invalid: expected one of {sorted(WRITERS)}")
     check_destination(dst, overwrite)
-    model = checkpoint_io.load_pretrained(src, dtype=dtype)
+    model = readers.load_pretrained(src, dtype=dtype)
     return write_atomically(dst, lambda tmp: WRITERS[to](model, tmp))
 
 
@@ -62,7 +63,7 @@ def write_atomically(dst: str | Path, write: Callable[[Path], object]) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llm_jax.convert", description=__doc__,
+    parser = ArgumentParser(prog="python -m llm_jax.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--src", required=True, help="checkpoint directory (llm_jax, HF or OpenAI)")
     parser.add_argument("--dst", required=True, help="output directory")

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from llm_jax.convert import check_destination, write_atomically
 from llm_jax.data.hf_tokenizer import TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILE, tokenizer_dir
+from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.training.finetune import restore_finetuned
 from llm_jax.weights.adapters import merge_lora, save_adapters
-from llm_jax.weights.formats import save_hf
+from llm_jax.weights.writers import save_hf
 
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, TEMPLATE_FILE, "special_tokens_map.json",
                    "generation_config.json")
@@ -58,7 +59,7 @@ def export(workdir: str, *, hf: str | None = None, adapters: str | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llm_jax.export", description=__doc__,
+    parser = ArgumentParser(prog="python -m llm_jax.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, help="the fine-tuning run's --workdir")
     parser.add_argument("--hf", help="write the (merged) model here, Hugging Face format")

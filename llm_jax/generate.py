@@ -18,11 +18,12 @@ from pathlib import Path
 
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.text import TextStream, find_tokenizer, text_decoder
+from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.runtime.malloc import use_preferred_malloc
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m llm_jax.generate", description=__doc__.split(
+    p = ArgumentParser(prog="python -m llm_jax.generate", description=__doc__.split(
         "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", help="llm_jax workdir/checkpoint, Hugging Face directory or "
                    "OpenAI original/ directory")
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not args.checkpoint:
             raise ValueError("--checkpoint is required")
-        from llm_jax.weights.formats import load_pretrained
+        from llm_jax.weights.readers import load_pretrained  # after the flags: start-up cost
 
         model = load_pretrained(args.checkpoint, dtype=args.dtype)
         tok = find_tokenizer(args.checkpoint)

@@ -17,12 +17,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from llm_jax.inference.engine import Engine, EngineConfig
+from llm_jax.inference.tokenizer import load_tokenizer
+from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.runtime.malloc import use_preferred_malloc
+from llm_jax.serving.app import Server, create_app
+from llm_jax.weights.readers import load_pretrained
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m llm_jax.serve",
-                                description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m llm_jax.serve", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="llm_jax workdir/checkpoint, Hugging Face "
                    "directory or OpenAI original/ directory")
     p.add_argument("--host", default="127.0.0.1")
@@ -48,11 +52,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def build_server(args: argparse.Namespace):
     """(the Server, its app): the model, tokenizer and engine, warmed up unless told not to."""
-    from llm_jax.inference.engine import Engine, EngineConfig
-    from llm_jax.inference.tokenizer import load_tokenizer
-    from llm_jax.serving.app import Server, create_app
-    from llm_jax.weights.formats import load_pretrained
-
     model = load_pretrained(args.checkpoint, dtype=args.dtype)
     engine = Engine(model, EngineConfig(slots=args.slots, max_len=args.max_len,
                                         max_queue=args.max_queue, max_prefill=args.max_prefill,

@@ -14,11 +14,14 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from llm_jax.parallel import distributed
+from llm_jax.runtime.cli import fail, parse_flags
 from llm_jax.runtime.malloc import use_preferred_malloc
 from llm_jax.training.loop import train
 from llm_jax.training.preemption import Interrupted
+from llm_jax.training.run_config import model_config, validate_run_config
 
 __all__ = ["main", "train"]
+PROG = "llm_jax.train"
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file, e.g. configs/tiny.py.",
                                           lock_config=True)
@@ -36,30 +39,24 @@ def quiet_library_logs() -> None:
         lambda r: r.levelno >= pylogging.WARNING or "orbax" not in r.pathname)
 
 
-def _refuse_repeated_overrides(argv: list[str]) -> None:
-    """absl keeps the last of `--config.x=1 --config.x=2` silently; refuse the conflict."""
-    seen: dict[str, str] = {}
-    for arg in argv:
-        if arg.startswith("--config.") and "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            if key in seen and seen[key] != value:
-                raise app.UsageError(f"--{key} is given twice, as {seen[key]!r} and {value!r}")
-            seen[key] = value
-
-
 def main(argv: list[str]) -> None:
     del argv
     quiet_library_logs()
     cfg = _CONFIG.value
     if cfg is None:
-        raise app.UsageError("--config is required, e.g. --config configs/tiny.py")
+        fail(PROG, "--config is required, e.g. --config configs/tiny.py")
+    try:  # a bad field or value: one line naming it, before anything starts
+        validate_run_config(cfg)
+        if not cfg.train.init_from:  # else the pretrained checkpoint's, checked against it
+            model_config(cfg)
+    except ValueError as e:
+        fail(PROG, e)
     workdir = _WORKDIR.value or os.path.join("runs", cfg.name)
     if not jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR wins (tests)
         jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "xla_cache"))
     distributed.initialize(cfg.distributed)  # before anything touches a device
     if not distributed.is_main():  # logs and metrics from process 0 only
         logging.set_verbosity(logging.WARNING)
-    _refuse_repeated_overrides(sys.argv[1:])
     try:
         last = train(cfg, workdir)
     except Interrupted as e:
@@ -72,4 +69,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     use_preferred_malloc()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags(PROG))

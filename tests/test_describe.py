@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm_jax.model import costs as d
+from llm_jax import describe as report_module
 from llm_jax.config import ModelConfig
-from llm_jax.model import abstract_model
+from llm_jax.model import abstract_model, costs as d
+from llm_jax.parallel.sharding import parse_mesh
+from llm_jax.runtime.cli import check_overrides
 from llm_jax.training.run_config import model_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -166,23 +168,23 @@ def test_kv_table_runs_from_1k_to_the_yarn_context_and_prices_gqa_and_the_window
 ])
 def test_bad_mesh_is_refused_by_name(spec, message):
     with pytest.raises(ValueError, match=message):
-        d.parse_mesh(spec)
+        parse_mesh(spec)
 
 
 def test_memory_shards_weights_by_the_mesh_and_the_batch_over_data_fsdp_expert():
     cfg = model("gpt_oss_120b")
-    one = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=d.parse_mesh(""))
+    one = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=parse_mesh(""))
     leaves = jax.tree.leaves(nnx.state(abstract_model(cfg), nnx.Param))
     assert one["params"] == sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
     assert one["adam_m_v"] == 8 * d.total_params(cfg)
-    eight = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=d.parse_mesh("fsdp=8"))
+    eight = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=parse_mesh("fsdp=8"))
     for key in ("params", "grads", "adam_m_v", "activations"):
         assert eight[key] == pytest.approx(one[key] / 8)
-    ep = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=d.parse_mesh("expert=8"))
+    ep = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=parse_mesh("expert=8"))
     assert ep["activations"] == pytest.approx(one["activations"] / 8)  # the batch splits too
     assert one["params"] / 8 < ep["params"] < one["params"] / 7  # experts are ~98% of params
     with pytest.raises(ValueError, match="multiple of data x fsdp x expert = 16"):
-        d.memory_per_device(cfg, batch=8, seq_len=256, mesh=d.parse_mesh("data=2,fsdp=8"))
+        d.memory_per_device(cfg, batch=8, seq_len=256, mesh=parse_mesh("data=2,fsdp=8"))
 
 
 def test_remat_saves_activation_memory():
@@ -193,15 +195,15 @@ def test_remat_saves_activation_memory():
 
 
 def test_every_model_field_has_a_description():
-    assert set(d.FIELD_DOCS) == {f.name for f in dataclasses.fields(ModelConfig)}
-    fields = [f["field"] for f in d.describe(run_config("tiny"))["fields"]]
+    assert set(report_module.FIELD_DOCS) == {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = [f["field"] for f in report_module.report(run_config("tiny"))["fields"]]
     assert len(fields) == len(set(fields)) and "model.vocab_size" in fields
 
 
 def test_unknown_override_is_named_with_the_known_fields():
     with pytest.raises(ValueError, match="config.model has no field 'num_expert'.*num_experts"):
-        d.check_overrides(run_config("tiny"), ["--config.model.num_expert=3"])
-    d.check_overrides(run_config("tiny"), ["--config.model.num_experts=3", "--json"])
+        check_overrides(run_config("tiny"), ["--config.model.num_expert=3"])
+    check_overrides(run_config("tiny"), ["--config.model.num_experts=3", "--json"])
 
 
 def cli(*args):

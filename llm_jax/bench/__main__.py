@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.runtime.malloc import use_preferred_malloc
 
 SUBCOMMANDS = ("peak", "train", "malloc", "decode", "prefill", "moe", "norm", "attention", "data",
@@ -23,7 +24,7 @@ SUBCOMMANDS = ("peak", "train", "malloc", "decode", "prefill", "moe", "norm", "a
 def main(argv: Sequence[str] | None = None) -> int:
     from llm_jax.bench.common import DEFAULT_DIR, write_json
 
-    parser = argparse.ArgumentParser(prog="python -m llm_jax.bench", description=__doc__,
+    parser = ArgumentParser(prog="python -m llm_jax.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}

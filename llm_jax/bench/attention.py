@@ -40,9 +40,13 @@ from flax import nnx
 from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.config import ModelConfig
 from llm_jax.model import attention as attention_module
-from llm_jax.model.attention import attend, attention_mask
-from llm_jax.model.blockwise_attention import (DEFAULT_BLOCK, DEFAULT_Q_BLOCK, blockwise_attend,
-                                               use_blockwise)
+from llm_jax.model.attention_math import attend, attention_mask
+from llm_jax.model.blockwise_attention import (
+    DEFAULT_BLOCK,
+    DEFAULT_Q_BLOCK,
+    blockwise_attend,
+    use_blockwise,
+)
 from llm_jax.model.transformer import Transformer
 
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)

@@ -7,7 +7,7 @@ Random weights of configs/tiny.py's model, greedy: llm_jax's on-device decode lo
 (`llm_jax.sample`) against GptOssForCausalLM.generate with eager attention on the same weights.
 Each contender runs in a process of its own (two runtimes in one process slow each other down,
 bench/common.py) and they take turns call by call; and the real cache's bytes against
-describe.kv_cache_bytes at several contexts.
+costs.kv_cache_bytes at several contexts.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1,
         prompt_len: int = 128, new_tokens: int = 256, hf: bool = True) -> dict[str, Any]:
     cfg = ModelConfig.from_dict(tiny_run_config().model.to_dict())
     if quick:
-        cfg, batches, prompt_len, new_tokens, repeats = quick_model_config(), (1,), 8, 64, 3
+        cfg, batches, prompt_len, new_tokens, repeats = quick_model_config(), (1,), 8, 256, 3
     r = bench(cfg, batches=batches, prompt_len=prompt_len, new_tokens=new_tokens,
               repeats=repeats, hf=hf)
     for row in r["decode"]:
@@ -53,7 +53,7 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
           kv_contexts: Sequence[int] = (128, 512, 2048, 8192), seed: int = 0) -> dict[str, Any]:
     """Prefill time and decode tokens/s (medians of `repeats`) for random weights of `cfg`
     (default: the tiny config), beside transformers' `generate` on the same weights; and the real
-    cache's bytes against describe.kv_cache_bytes at several contexts.
+    cache's bytes against costs.kv_cache_bytes at several contexts.
 
     Every contender (each side's prefill and whole generate call) runs in its own process, and
     all of a batch's contenders take turns, A B C D A B C D (`alternate`), so that the machine's
@@ -76,6 +76,11 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
         row: dict[str, Any] = {"batch": b, "prompt_len": prompt_len, "new_tokens": new_tokens}
         for side in sides:
             t_prefill, t_total = (median(times[side, w]) for w in ("prefill", "generate"))
+            if t_total <= t_prefill:
+                raise RuntimeError(
+                    f"{side}, batch {b}: generating {new_tokens} tokens took {t_total:.2e} s, "
+                    f"no longer than prefill alone ({t_prefill:.2e} s): the timer cannot "
+                    "resolve the decode steps; use more --new_tokens or --repeats")
             row[side] = {"prefill_s": t_prefill, "total_s": t_total,
                          "prefill_times_s": times[side, "prefill"],
                          "total_times_s": times[side, "generate"],

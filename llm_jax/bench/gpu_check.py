@@ -7,7 +7,7 @@
 Model (`check_config`): 16 layers, hidden 2048, 32 q / 8 kv heads of 64, 16 experts top-4 of
 width 2048, vocab 32,768, sliding window 128 on even layers: about 1.1B active and 3.5B total
 parameters, bf16 weights and activations (about 28 GB of state with Adam: one 80 GB GPU).
-MFU = tokens/s x describe.flops_per_token / the chip's dense bf16 peak (PEAK_BF16 by device
+MFU = tokens/s x costs.flops_per_token / the chip's dense bf16 peak (PEAK_BF16 by device
 kind, else the measured matmul peak). "kernels" names what the selection table chose and the
 fused kernels (custom calls: Triton, cuDNN, cuBLAS; Pallas on TPU) in the compiled step.
 `--attention_impl` / `--moe_dispatch` override the table (`flash` and `gmm` are the Pallas-Triton
@@ -17,7 +17,6 @@ kernels, opt-in on GPU until a run like this one shows them faster than `auto`).
 
 from __future__ import annotations
 
-import argparse
 import re
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ from collections import Counter
 import jax
 
 from llm_jax.config import ModelConfig
+from llm_jax.runtime.cli import ArgumentParser
 
 # Published dense bf16 tensor-core peaks (NVIDIA data sheets), FLOP/s per GPU.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "GH200": 989e12}
@@ -56,8 +56,8 @@ def peak_flops(quick: bool) -> tuple[float, str]:
 def run(batch: int, seq_len: int, steps: int, quick: bool, attention_impl: str = "auto",
         moe_dispatch: str = "auto") -> dict:
     from llm_jax.bench.train import JaxTrainer, quick_model_config, random_batch, tiny_run_config
-    from llm_jax.kernels.select import kernels_line
     from llm_jax.model.costs import active_params, flops_per_token, total_params
+    from llm_jax.model.select import kernels_line
 
     t0 = time.perf_counter()
     cfg = quick_model_config().replace(dtype="bfloat16") if quick else check_config()
@@ -84,7 +84,7 @@ def run(batch: int, seq_len: int, steps: int, quick: bool, attention_impl: str =
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m llm_jax.bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)

@@ -42,7 +42,7 @@ from llm_jax.inference.loop import bucket, prefill
 from llm_jax.inference.sampler import sample
 from llm_jax.model import init_model
 from llm_jax.model.kv_cache import init_cache
-from llm_jax.weights.formats import save_llm_jax
+from llm_jax.weights.writers import save_llm_jax
 
 
 def _free_port() -> int:

@@ -10,7 +10,7 @@ torch.autocast("cpu", dtype=torch.bfloat16). One timed call = `steps` optimizer 
 sides alternate A B A B for `repeats` calls after one warm-up call each, each side in its own
 process (`common.Isolated`: in one process the two runtimes slow each other down); medians are
 reported.
-MFU = tokens/s x describe.flops_per_token / the machine's cached matmul peak of the compute
+MFU = tokens/s x costs.flops_per_token / the machine's cached matmul peak of the compute
 dtype (`llm_jax.runtime.peak.peak_flops`; its source is printed and in the JSON).
 """
 
@@ -45,7 +45,8 @@ def tiny_run_config():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.get_config()
-    from llm_jax.training.run_config import default_run_config  # installed without the configs folder
+    # installed without the configs folder:
+    from llm_jax.training.run_config import default_run_config
 
     return default_run_config("tiny", ModelConfig())
 
@@ -91,8 +92,8 @@ def hf_model(cfg: ModelConfig, seed: int = 0):
     import torch
     import transformers
 
-    from llm_jax.weights.formats import save_hf
     from llm_jax.model import init_model
+    from llm_jax.weights.writers import save_hf
 
     with tempfile.TemporaryDirectory() as d:
         save_hf(init_model(cfg.replace(dtype="float32", param_dtype="float32"), seed), d)

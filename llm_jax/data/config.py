@@ -11,6 +11,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+# What the SFT reader does with a malformed JSONL line (run config `sft.on_bad_line`), and the
+# local text source with an empty, unreadable, binary or non-UTF-8 file (`data.on_bad_file`).
+ON_BAD_LINE = ("skip", "stop")
+ON_BAD_FILE = ("skip", "stop")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -25,6 +30,8 @@ class DataConfig:
     array_record_eval: str = ""  # the same for evaluation (needed with array_record_train)
     data_dir: str = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
     validation_fraction: float = 0.02  # local text: share of files (by path hash) held out
+    document_bytes: int = 1 << 20  # local text: cut longer files into documents near this size
+    on_bad_file: str = "skip"  # local text: empty, unreadable, binary, non-UTF-8: skip | stop
     seq_len: int = 256
     shuffle_seed: int = 0
     shuffle_buffer_tokens: int = 1 << 20  # packed rows shuffled together (pipeline.py); 0 = off
@@ -47,6 +54,10 @@ class DataConfig:
                 "set, and '' otherwise")
         if not 0.0 < self.validation_fraction < 1.0:
             bad("validation_fraction", "a fraction in (0, 1)")
+        if self.document_bytes != 0 and self.document_bytes < 1024:
+            bad("document_bytes", "0 (one document per file) or >= 1024 bytes")
+        if self.on_bad_file not in ON_BAD_FILE:
+            bad("on_bad_file", f"one of {ON_BAD_FILE} (name and skip bad text, or stop)")
         if self.seq_len < 1:
             bad("seq_len", "a positive number of tokens")
         if not 0 <= self.shuffle_seed < 2**32:

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
@@ -43,7 +43,7 @@ from absl import flags
 from llm_jax.data.config import DataConfig
 from llm_jax.data.packing import ROW_KEYS, AddTargetBytes, TokenizeDocument, pack_rows
 from llm_jax.data.resume import TaggedIterator, check_saved_state
-from llm_jax.data.sources import DocumentSource, TextSplits, open_text_splits
+from llm_jax.data.sources import TextSplits, open_text_splits
 from llm_jax.data.tokenizer import Tokenizer, load_or_train
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,15 @@ def process_seed(seed: int, process_index: int) -> int:
     return int(np.random.SeedSequence([seed, process_index]).generate_state(1)[0])
 
 
-def tokenized_documents(docs: DocumentSource, tok: Tokenizer, *, seed: int | None,
+def tokenized_documents(docs: Sequence[str], tok: Tokenizer, *, seed: int | None,
                         worker_count: int = 0) -> grain.IterDataset:
-    """Tokenized documents; shuffled and endless if `seed` is given, else once in order."""
+    """Tokenized documents; shuffled and endless if `seed` is given, else once in order.
+    Empty documents (an empty record, or text a source skipped as bad) are dropped: they hold
+    no text, and packing one would only add a BOS/EOS pair."""
     ds = grain.MapDataset.source(docs)
     if seed is not None:
         ds = ds.shuffle(seed=seed).repeat(None)  # repeat reseeds the shuffle each epoch
-    it = ds.map(TokenizeDocument(tok)).to_iter_dataset(
+    it = ds.filter(bool).map(TokenizeDocument(tok)).to_iter_dataset(
         grain.ReadOptions(num_threads=1, prefetch_buffer_size=_READ_AHEAD_DOCS))
     if worker_count > 0:
         if not flags.FLAGS.is_parsed():  # Grain reads its absl flags (defaults) in workers
@@ -76,7 +78,7 @@ def shuffle_rows(seq_len: int, shuffle_buffer_tokens: int) -> int:
     return max(1, shuffle_buffer_tokens // seq_len)
 
 
-def train_dataset(docs: DocumentSource, tok: Tokenizer, *, seq_len: int, batch_size: int,
+def train_dataset(docs: Sequence[str], tok: Tokenizer, *, seq_len: int, batch_size: int,
                   seed: int, worker_count: int = 0, prefetch: int = 2,
                   shuffle_buffer_tokens: int = DataConfig.shuffle_buffer_tokens
                   ) -> grain.IterDataset:
@@ -97,7 +99,7 @@ def train_dataset(docs: DocumentSource, tok: Tokenizer, *, seq_len: int, batch_s
     return ds
 
 
-def eval_dataset(docs: DocumentSource, tok: Tokenizer, *, seq_len: int, batch_size: int
+def eval_dataset(docs: Sequence[str], tok: Tokenizer, *, seq_len: int, batch_size: int
                  ) -> grain.IterDataset:
     """The share's documents once, in order, packed; the last batch padded to `batch_size`."""
     pad = functools.partial(grain.experimental.batch_and_pad, batch_size=batch_size)
@@ -117,12 +119,17 @@ class Data:
 
     train_iter: TaggedIterator  # endless; checkpoint with grain.checkpoint.CheckpointSave
     tokenizer: Tokenizer
-    name: str  # the dataset, e.g. "local_text/stdlib_1a2b.../1.0.0"
+    name: str  # the dataset, e.g. "local_text/stdlib_1a2b..."
     splits: TextSplits
-    eval_docs: DocumentSource  # this process's share of the eval split
+    eval_docs: Sequence[str]  # this process's share of the eval split
     seq_len: int
     batch_size: int  # per process
     process_count: int
+
+    @property
+    def batch_dtypes(self) -> dict[str, np.dtype]:
+        """Each array of a training batch and its dtype (all [batch, seq_len])."""
+        return {k: np.dtype(np.int32) for k in ROW_KEYS}
 
     def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """The same first `num_batches` eval batches every call, padded with empty batches if
@@ -165,8 +172,9 @@ def make_datasets(
     """Builds (or reuses) the dataset and tokenizer under `workdir`; returns `Data`.
 
     `data_cfg` is a DataConfig or the run config's `data` ConfigDict. Files written:
-    WORKDIR/tokenizer.model (trained on the start of the train split if missing) and, for
-    local text or a named TFDS dataset, its build under data_cfg.data_dir (default WORKDIR/tfds).
+    WORKDIR/tokenizer.model (trained on the start of the train split if missing) and, for a
+    named TFDS dataset, its build under data_cfg.data_dir (default WORKDIR/tfds). Local text
+    files and ArrayRecord shards are read where they lie.
     """
     cfg = data_cfg if isinstance(data_cfg, DataConfig) else DataConfig.from_dict(data_cfg)
     if process_index is None or process_count is None:
@@ -191,9 +199,7 @@ def make_datasets(
                           seed=process_seed(cfg.shuffle_seed, process_index),
                           worker_count=cfg.worker_count, prefetch=cfg.prefetch,
                           shuffle_buffer_tokens=cfg.shuffle_buffer_tokens)
-    where = splits.splits["train"]
-    identity = {"format": 3, "dataset": splits.name,
-                "split": where if isinstance(where, str) else f"{len(where)} shards",
+    identity = {"format": 3, "dataset": splits.name, "split": splits.describe("train"),
                 "tokenizer": tok.fingerprint, "seq_len": cfg.seq_len, "batch_size": batch_size,
                 "shuffle_seed": cfg.shuffle_seed, "worker_count": cfg.worker_count,
                 "shuffle_rows": shuffle_rows(cfg.seq_len, cfg.shuffle_buffer_tokens),

@@ -67,6 +67,13 @@ class TaggedIterator(grain.DatasetIterator):
     def __next__(self) -> Any:
         return next(self._parent)
 
+    def start_prefetch(self) -> None:
+        """Starts the pipeline's read-ahead thread now rather than at the first batch (so the
+        first shuffle window can fill while the trainer compiles); a no-op without one."""
+        start = getattr(self._parent, "start_prefetch", None)
+        if start is not None:
+            start()
+
     def get_state(self) -> dict[str, Any]:
         return {"identity": self.identity, "pipeline": self._parent.get_state()}
 

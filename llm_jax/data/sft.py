@@ -29,8 +29,6 @@ from absl import logging
 from llm_jax.data.hf_tokenizer import HFTokenizer, Message
 from llm_jax.data.resume import TaggedIterator, check_saved_state
 
-ON_BAD_LINE = ("skip", "stop")
-
 
 @dataclasses.dataclass
 class BadLines:
@@ -171,6 +169,11 @@ class SFTData:
         """Raises ValueError if the data state saved in `step_dir` was not made by these rows
         (another file, seq_len, batch size, seed or process count)."""
         check_saved_state(os.path.join(step_dir, "data"), self.train_iter.identity)
+
+    @property
+    def batch_dtypes(self) -> dict[str, np.dtype]:
+        """Each array of a training batch and its dtype (all [batch, seq_len])."""
+        return {k: v.dtype for k, v in self.rows.items()}
 
     def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """The first `num_batches` batches of the packed rows, unshuffled (no held-out split)."""

@@ -1,12 +1,15 @@
 """The documents of a run, and each process's share of them, read by random access.
 
-Three kinds of data (DataConfig), all read through array_record without TensorFlow and with
-nothing read up front:
-- local text files, by default the standard library (the LocalText TFDS builder, local_text.py);
-- a TFDS dataset by name (`tfds_name`, built with file_format="array_record");
-- ArrayRecord shards whose records are UTF-8 documents (`array_record_train` / `_eval` globs).
+Three kinds of data (DataConfig), all read by random access without TensorFlow and with
+nothing read up front; each kind is a `TextSplits` (name, share, texts, describe):
+- local text files, by default the standard library, read where they lie (`LocalFiles`,
+  local_text.py);
+- a TFDS dataset by name (`tfds_name`, built with file_format="array_record"; `TfdsSplits`);
+- ArrayRecord shards whose records are UTF-8 documents (`array_record_train` / `_eval` globs;
+  `ArrayRecordSplits`).
 
 A process's share, for process p of P (see docs/training.md, "Data"):
+- Local files: the p-th contiguous 1/P of the split's documents (local_text.py).
 - TFDS: `tfds.even_splits(split, P)[p]`, a contiguous 1/P of the split's records. TFDS knows
   every shard's length from its metadata, so a process opens only the shards its range covers.
 - ArrayRecord shards (sorted by path): whole shards, files[p::P]. Nothing else is opened, not
@@ -24,13 +27,13 @@ import glob
 import itertools
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grain
 import tensorflow_datasets as tfds
 
 from llm_jax.data.config import DataConfig
-from llm_jax.data.local_text import build_local_text
+from llm_jax.data.local_text import open_local_files
 
 _COUNT_THREADS = 16  # shards opened at once to read their record counts (footers)
 
@@ -128,35 +131,64 @@ def tfds_shards(builder: Any, split: Any) -> tuple[Shard, ...]:
     return tuple(Shard(os.fspath(fi.filename), fi.skip, fi.take) for fi in instructions)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class TextSplits:
+class TextSplits(Protocol):
     """A dataset's train and eval splits; `share` opens one process's part of one."""
 
-    name: str  # e.g. "local_text/stdlib_1a2b.../1.0.0", "lm1b/1.1.0", "array_record/<glob>"
-    builder: Any  # the TFDS builder, or None for ArrayRecord shards
-    splits: dict[str, str | list[str]]  # "train" / "eval" -> TFDS split name, or shard paths
-    text_key: str | None
+    name: str  # e.g. "local_text/stdlib_1a2b...", "lm1b/1.1.0", "array_record/<glob>"
+
+    def share(self, split: str, process_index: int = 0, process_count: int = 1
+              ) -> Sequence[str]:
+        """Process `process_index` of `process_count`'s documents of `split` ("train"/"eval")."""
+
+    def texts(self, split: str) -> Iterator[str]:
+        """Every document of `split` in stored order, to train the tokenizer on a prefix.
+        Lazy: a file or shard is opened when the reading reaches it."""
+
+    def describe(self, split: str) -> str:
+        """What `split` is, for the resume check: a TFDS split name, a count of shards."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TfdsSplits:
+    """A TFDS dataset built as ArrayRecord: its splits by name."""
+
+    name: str  # e.g. "lm1b/1.1.0"
+    builder: Any
+    splits: dict[str, str]  # "train" / "eval" -> TFDS split name
+    text_key: str
 
     def share(self, split: str, process_index: int = 0, process_count: int = 1
               ) -> DocumentSource:
-        """Process `process_index` of `process_count`'s documents of `split` ("train"/"eval")."""
-        where = self.splits[split]
-        if self.builder is None:
-            return array_record_share(where, process_index, process_count)
-        sub = tfds.even_splits(where, n=process_count)[process_index]
+        sub = tfds.even_splits(self.splits[split], n=process_count)[process_index]
         return DocumentSource(self.builder.as_data_source(split=sub),
                               tfds_shards(self.builder, sub), self.text_key)
 
     def texts(self, split: str) -> Iterator[str]:
-        """Every document of `split` in stored order, to train the tokenizer on a prefix.
-        Lazy: a shard is opened when the reading reaches it (a saved tokenizer reads none)."""
-        if self.builder is None:  # ArrayRecord shards: one at a time, in order
-            sources = (array_record_share([path], 0, 1) for path in self.splits[split])
-        else:  # TFDS opens a shard on its first read
-            sources = iter([self.share(split)])
-        for docs in sources:
-            for i in range(len(docs)):
-                yield docs[i]
+        docs = self.share(split)  # TFDS opens a shard on its first read
+        return (docs[i] for i in range(len(docs)))
+
+    def describe(self, split: str) -> str:
+        return self.splits[split]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArrayRecordSplits:
+    """ArrayRecord shards of raw UTF-8 documents, one list of shard paths per split."""
+
+    name: str  # "array_record/<train glob>"
+    splits: dict[str, list[str]]  # "train" / "eval" -> sorted shard paths
+
+    def share(self, split: str, process_index: int = 0, process_count: int = 1
+              ) -> DocumentSource:
+        return array_record_share(self.splits[split], process_index, process_count)
+
+    def texts(self, split: str) -> Iterator[str]:
+        for path in self.splits[split]:  # one shard at a time, in order
+            docs = array_record_share([path], 0, 1)
+            yield from (docs[i] for i in range(len(docs)))
+
+    def describe(self, split: str) -> str:
+        return f"{len(self.splits[split])} shards"
 
 
 def pick_eval_split(available: Iterable[str], requested: str = "") -> str:
@@ -167,15 +199,15 @@ def pick_eval_split(available: Iterable[str], requested: str = "") -> str:
 
 
 def open_text_splits(cfg: DataConfig, data_dir: str) -> TextSplits:
-    """Builds the dataset if needed (local files: seconds; named TFDS: may download)."""
+    """The configured source's splits; a named TFDS dataset is built (and maybe downloaded)
+    under `data_dir` first, local files and ArrayRecord shards are only listed."""
     if cfg.array_record_train:
         splits = {"train": shard_paths(cfg.array_record_train, "array_record_train"),
                   "eval": shard_paths(cfg.array_record_eval, "array_record_eval")}
-        return TextSplits(f"array_record/{cfg.array_record_train}", None, splits, None)
+        return ArrayRecordSplits(f"array_record/{cfg.array_record_train}", splits)
     if not cfg.tfds_name:
-        builder = build_local_text(cfg.files, cfg.validation_fraction, data_dir)
-        return TextSplits(builder.info.full_name, builder,
-                          {"train": "train", "eval": "validation"}, "text")
+        return open_local_files(cfg.files, validation_fraction=cfg.validation_fraction,
+                                document_bytes=cfg.document_bytes, on_bad_file=cfg.on_bad_file)
     builder = tfds.builder(cfg.tfds_name, data_dir=data_dir, file_format="array_record")
     builder.download_and_prepare()
     feature_keys = getattr(builder.info.features, "keys", lambda: [])()
@@ -186,4 +218,4 @@ def open_text_splits(cfg: DataConfig, data_dir: str) -> TextSplits:
         )
     splits = {"train": cfg.tfds_train_split,
               "eval": pick_eval_split(builder.info.splits, cfg.tfds_eval_split)}
-    return TextSplits(builder.info.full_name, builder, splits, cfg.text_key)
+    return TfdsSplits(builder.info.full_name, builder, splits, cfg.text_key)

@@ -21,6 +21,7 @@ from lm_eval.api.registry import register_model
 from llm_jax.inference.completions import GenerationRequest, engine_for, generate_until
 from llm_jax.inference.scoring import loglikelihood, loglikelihood_rolling
 from llm_jax.inference.tokenizer import load_tokenizer
+from llm_jax.weights.readers import load_pretrained
 
 
 def _flag(value: Any) -> bool:
@@ -36,8 +37,6 @@ class LlmJaxLM(TemplateLM):
                  batch_size: int | str = 8, pack: bool | str = False, max_gen_toks: int = 256,
                  slots: int = 16, **unused: Any):
         super().__init__()
-        from llm_jax.weights.formats import load_pretrained
-
         self.model = load_pretrained(checkpoint, dtype=dtype)
         self.text = load_tokenizer(checkpoint)
         if self.text is None:

@@ -13,8 +13,12 @@ from collections.abc import Callable, Sequence
 
 from flax import nnx
 
-from llm_jax.inference.engine import Engine, EngineConfig, SamplingParams
-from llm_jax.inference.engine import Sequence as EngineSequence
+from llm_jax.inference.engine import (
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    Sequence as EngineSequence,
+)
 from llm_jax.inference.stops import StopText
 
 

@@ -35,8 +35,8 @@ from flax import nnx
 
 from llm_jax.inference.loop import bucket, decode_step, prefill
 from llm_jax.inference.sampling import greedy_tokens, sample_logits
-from llm_jax.kernels.select import backend
 from llm_jax.model.kv_cache import LayerCache, init_cache
+from llm_jax.runtime.backend import backend
 
 log = logging.getLogger(__name__)
 

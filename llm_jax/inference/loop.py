@@ -21,9 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from llm_jax.inference.sampling import sample_logits
-from llm_jax.kernels.select import backend
 from llm_jax.model.kv_cache import KVCache, init_cache, shard_cache
 from llm_jax.parallel.sharding import with_mesh
+from llm_jax.runtime.backend import backend
 
 MIN_BUCKET = 16
 

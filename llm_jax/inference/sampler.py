@@ -130,7 +130,7 @@ def sample(
     max_len: cache slots (default: the padded prompt length + max_new_tokens, rounded to buckets);
       prompt + max_new_tokens must fit. cache_dtype: default the compute dtype.
     mesh: trace under this mesh: the cache and the activations are sharded by
-      llm_jax.sharding's rules (the weights stay as given).
+      llm_jax.parallel.sharding's rules (the weights stay as given).
     stream(step, tokens [B], active [B]): called on the host as each step's tokens are drawn.
 
     Returns the new ids of each sequence (a list, or a list of lists for a batch); with

@@ -10,8 +10,8 @@ continuation's log-probabilities, and it is greedy when each of its tokens is th
 Requests are sorted by length and run B at a time, either right-padded (one request per row;
 padding is segment 0) or packed (several requests per row, each its own segment with positions
 from 0, as training packs documents): the same attention masks as a single forward, so the
-numbers equal it (tests/test_scoring.py: within 1e-5 in float32). The unembedding runs over
-chunks of time, so no [B, T, V] array is held (model/unembed_loss.py's chunking).
+numbers equal it (tests/inference/test_scoring.py: within 1e-5 in float32). The unembedding runs
+over chunks of time, so no [B, T, V] array is held (model/unembed_loss.py's chunking).
 """
 
 from __future__ import annotations

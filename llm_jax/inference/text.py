@@ -12,7 +12,7 @@ import numpy as np
 
 def find_tokenizer(path: str | Path):
     """The Tokenizer at PATH/tokenizer.model or PATH/../tokenizer.model, or None."""
-    from llm_jax.data.tokenizer import Tokenizer
+    from llm_jax.data.tokenizer import Tokenizer  # on use: sentencepiece only when one is found
 
     for d in (Path(path), Path(path).resolve().parent):
         if (d / "tokenizer.model").is_file():

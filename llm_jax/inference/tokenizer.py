@@ -15,8 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_jax.data.hf_tokenizer import (TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILE,
-                                       HFTokenizer, tokenizer_dir)
+from llm_jax.data.hf_tokenizer import (
+    TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
+    HFTokenizer,
+    tokenizer_dir,
+)
 from llm_jax.inference.text import find_tokenizer, text_decoder
 
 GENERATION_CONFIG = "generation_config.json"

@@ -35,10 +35,12 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as sk,
+    splash_attention_mask as sm,
+)
 
-from llm_jax.parallel.sharding import RULES, logical_to_spec, spec_axes
+from llm_jax.parallel.sharding import mesh_axes
 
 P = jax.sharding.PartitionSpec
 LANES = 128  # splash tiles are multiples of the TPU lane width
@@ -126,12 +128,6 @@ def _local(q_BTNH, k_BSKH, v_BSKH, sinks_N, qs_BT, ks_BS, window, *, windows: tu
     return jnp.swapaxes(o_BNTH, 1, 2).astype(v_BSKH.dtype)
 
 
-def _mesh_axes(mesh, name: str) -> tuple[str, ...]:
-    spec = logical_to_spec((name,), RULES, mesh_axes=mesh.axis_names)
-    manual = set(getattr(mesh, "manual_axes", ()))
-    return tuple(a for e in spec for a in spec_axes(e) if mesh.shape[a] > 1 and a not in manual)
-
-
 def splash_attend(
     q_BTNH: jax.Array,
     k_BSKH: jax.Array,
@@ -166,8 +162,8 @@ def splash_attend(
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(q_BTNH, k_BSKH, v_BSKH, sinks_N, qs_BT, ks_BS, window)
-    batch = _mesh_axes(mesh, "batch")
-    heads = _mesh_axes(mesh, "heads")
+    batch = mesh_axes(mesh, ("batch",))
+    heads = mesh_axes(mesh, ("heads",))
     shards = math.prod(mesh.shape[a] for a in batch)
     hs = math.prod(mesh.shape[a] for a in heads)
     if b % shards:

@@ -3,9 +3,8 @@
 Shapes: B batch, T query time, S key time, D hidden, N q heads, K kv heads, G = N / K q heads per
 kv head, H head_dim. Query head n reads kv head n // G.
 
-The sink is one learned logit per query head appended as an extra column of every score row (not
-scaled by 1/sqrt(H)); the softmax runs over the row including it and the column is dropped, so
-rows sum to less than 1 and a head can attend to "nothing" (gpt-oss, after Xiao et al. 2023).
+The attention function (the mask rule, the sinks) is `model/attention_math.py`; this module is
+the layer around it: projections, RoPE, the KV cache and the choice of implementation.
 
 One `Attention.__call__` serves every path: without a cache it is self-attention over the input
 (training, evaluation); with a `LayerCache` and T > 1 it is a prefill (self-attention over the
@@ -16,6 +15,8 @@ and value are written into their slot and the query attends over the cache).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import chex
 import jax
@@ -23,77 +24,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.kernels.flash_attention_gpu import flash_attend
+from llm_jax.kernels.splash_attention import index_positions, splash_attend
+from llm_jax.model.attention_math import attend, attend_heads_major, attention_mask
 from llm_jax.model.blockwise_attention import blockwise_attend, use_blockwise
 from llm_jax.model.kv_cache import LayerCache, append, fill, ring_positions
 from llm_jax.model.lora import adapted
 from llm_jax.model.matmul import einsum
 from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
+from llm_jax.model.select import attention_impl
 from llm_jax.parallel.sharding import constrain
-
-_MASKED = -1e30  # finite, so a row with every key masked still has its sink and no NaN
-
-
-def attention_mask(
-    q_positions_BT: jax.Array,
-    kv_positions_BS: jax.Array,
-    window: jax.Array | int,
-    q_segment_ids_BT: jax.Array | None = None,
-    kv_segment_ids_BS: jax.Array | None = None,
-) -> jax.Array:
-    """Boolean [B, T, S]: key j is visible to query i iff pos_j <= pos_i, within the window
-    (pos_i - pos_j < window, when window > 0) and in the same segment (segment 0 = padding)."""
-    qp = q_positions_BT[:, :, None]
-    kp = kv_positions_BS[:, None, :]
-    visible = kp <= qp
-    window = jnp.asarray(window)
-    visible &= (window <= 0) | (qp - kp < window)
-    if kv_segment_ids_BS is not None:
-        ks = kv_segment_ids_BS[:, None, :]
-        qs = ks if q_segment_ids_BT is None else q_segment_ids_BT[:, :, None]
-        visible &= (qs == ks) & (ks != 0)
-    return visible
-
-
-def attend(
-    q_BTNH: jax.Array,
-    k_BSKH: jax.Array,
-    v_BSKH: jax.Array,
-    sinks_N: jax.Array,
-    mask_BTS: jax.Array,
-) -> jax.Array:
-    """Softmax attention with sinks; scores and softmax in float32. Returns [B, T, N, H]."""
-    return attend_heads_major(q_BTNH, jnp.transpose(k_BSKH, (0, 2, 3, 1)),
-                              jnp.swapaxes(v_BSKH, 1, 2), sinks_N, mask_BTS)
-
-
-def attend_heads_major(
-    q_BTNH: jax.Array,
-    k_BKHS: jax.Array,
-    v_BKSH: jax.Array,
-    sinks_N: jax.Array,
-    mask_BTS: jax.Array,
-) -> jax.Array:
-    """`attend` with keys [B, K, H, S] and values [B, K, S, H], the KV cache's layouts: (B, K)
-    batches of a (G T, H) x (H, S) and a (G T, S) x (S, H) matmul, the plain layout XLA:CPU's
-    fast kernels take. Asking for [B, T, K, G] outputs directly made it contract over non-minor
-    axes in a slow generic dot (3.7x slower for a decode step's probabilities x values)."""
-    b, t, n, h = q_BTNH.shape
-    k_heads = k_BKHS.shape[1]
-    g = n // k_heads
-    q_BKGTH = jnp.transpose(q_BTNH.reshape(b, t, k_heads, g, h), (0, 2, 3, 1, 4))
-    scores_BKGTS = einsum(
-        "BKGTH,BKHS->BKGTS", q_BKGTH, k_BKHS, preferred_element_type=jnp.float32
-    ) * (h ** -0.5)
-    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, _MASKED)
-    # softmax over [scores, sink] without materialising the concatenated row: the sink only
-    # enters the max and the normaliser.
-    sink_BKGT1 = sinks_N.astype(jnp.float32).reshape(1, k_heads, g, 1, 1)
-    row_max = jax.lax.stop_gradient(jnp.maximum(scores_BKGTS.max(-1, keepdims=True), sink_BKGT1))
-    e = jnp.exp(scores_BKGTS - row_max)
-    probs = e / (e.sum(-1, keepdims=True) + jnp.exp(sink_BKGT1 - row_max))
-    out_BKGTH = einsum("BKGTS,BKSH->BKGTH", probs.astype(v_BKSH.dtype), v_BKSH)
-    return jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+from llm_jax.runtime.backend import backend
 
 
 class Attention(nnx.Module):
@@ -158,37 +100,12 @@ class Attention(nnx.Module):
 
     def self_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions_BT: jax.Array,
                     window: jax.Array | int, segment_ids_BT: jax.Array | None) -> jax.Array:
-        """The implementation kernels/select.py's table names for this backend and shape."""
-        from llm_jax.kernels.select import attention_impl, backend  # imports blockwise_attention
-
+        """Self-attention by the implementation model/select.py names for this backend and
+        shape, from the `ATTENTIONS` table; the mask inputs are built here, once."""
         b, t = positions_BT.shape
-        impl, sinks = attention_impl(self.cfg, b, t, t), self.sinks[...]
-        args = (sinks, positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
-        if impl == "splash":  # exact when positions are the index (per segment): checked
-            from llm_jax.kernels.splash_attention import index_positions, splash_attend
-
-            splash = functools.partial(splash_attend, windows=self.cfg.layer_windows,
-                                       interpret=backend() != "tpu")
-            blockwise = use_blockwise(b, t, t, self.cfg.num_attention_heads)
-            return jax.lax.cond(index_positions(positions_BT, segment_ids_BT),
-                                lambda q, k, v: splash(q, k, v, *args),
-                                lambda q, k, v: self._xla(q, k, v, *args, blockwise=blockwise),
-                                q, k, v)
-        if impl == "flash":  # GPU kernel (Pallas / Triton); interpreted elsewhere
-            from llm_jax.kernels.flash_attention_gpu import flash_attend
-
-            return flash_attend(q, k, v, *args, interpret=backend() != "gpu")
-        return self._xla(q, k, v, *args, blockwise=impl == "blockwise")
-
-    @staticmethod
-    def _xla(q, k, v, sinks, q_positions, kv_positions, window, q_segments, kv_segments, *,
-             blockwise: bool) -> jax.Array:
-        """The plain-JAX paths: blockwise (memory linear in T, for long T) or direct."""
-        if blockwise:
-            return blockwise_attend(q, k, v, sinks, q_positions, kv_positions, window,
-                                    q_segments, kv_segments)
-        mask = attention_mask(q_positions, kv_positions, window, q_segments, kv_segments)
-        return attend(q, k, v, sinks, mask)
+        mask = MaskInputs(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
+        impl = ATTENTIONS[attention_impl(self.cfg, b, t, t)]
+        return impl(q, k, v, self.sinks[...], mask, self.cfg)
 
     def decode(self, q_B1NH: jax.Array, k_B1KH: jax.Array, v_B1KH: jax.Array,
                positions_B: jax.Array, window: jax.Array | int,
@@ -202,3 +119,60 @@ class Attention(nnx.Module):
         o = attend_heads_major(q_B1NH, cache.k.astype(cdt), cache.v.astype(cdt),
                                self.sinks[...], mask)
         return o, cache
+
+
+# ---------------------------------------------------------------------------------------------
+# The table: every self-attention implementation, one signature. Each computes
+# `attend(q, k, v, sinks, attention_mask(*mask))` and is tested against it (tests/model,
+# tests/kernels); model/select.py says which one a call runs.
+
+
+class MaskInputs(NamedTuple):
+    """What decides which keys a query sees (`attention_mask`'s inputs), built once per call."""
+
+    q_positions_BT: jax.Array
+    kv_positions_BS: jax.Array
+    window: jax.Array | int  # 0: no window
+    q_segment_ids_BT: jax.Array | None  # None: one document per row; 0 marks padding
+    kv_segment_ids_BS: jax.Array | None
+
+
+# (q [B,T,N,H], k, v [B,S,K,H], sinks [N], mask inputs, config) -> [B, T, N, H]
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, MaskInputs, ModelConfig],
+                       jax.Array]
+
+
+def _direct(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
+    """The reference itself: the whole [B, T, S] mask and scores."""
+    return attend(q, k, v, sinks, attention_mask(*mask))
+
+
+def _blockwise(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
+    """Block-sparse, memory linear in T (model/blockwise_attention.py)."""
+    return blockwise_attend(q, k, v, sinks, *mask)
+
+
+def _splash(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
+    """Pallas splash on TPU (interpreted elsewhere). Exact when positions are the index (per
+    segment), which is checked at run time; otherwise the plain-JAX path of this shape."""
+    b, t = mask.q_positions_BT.shape
+    fallback = _blockwise if use_blockwise(b, t, t, cfg.num_attention_heads) else _direct
+    splash = functools.partial(splash_attend, windows=cfg.layer_windows,
+                               interpret=backend() != "tpu")
+    return jax.lax.cond(index_positions(mask.q_positions_BT, mask.q_segment_ids_BT),
+                        lambda q, k, v: splash(q, k, v, sinks, *mask),
+                        lambda q, k, v: fallback(q, k, v, sinks, mask, cfg),
+                        q, k, v)
+
+
+def _flash(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
+    """Pallas flash attention for GPU (Triton); interpreted elsewhere."""
+    return flash_attend(q, k, v, sinks, *mask, interpret=backend() != "gpu")
+
+
+ATTENTIONS: dict[str, AttentionFn] = {
+    "direct": _direct,
+    "blockwise": _blockwise,
+    "splash": _splash,
+    "flash": _flash,
+}

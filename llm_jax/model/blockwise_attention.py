@@ -1,5 +1,5 @@
-"""Block-sparse attention with sinks: the same function as `attention.attend`, memory linear in T,
-work proportional to the visible (query block, key block) pairs.
+"""Block-sparse attention with sinks: the same function as `attention_math.attend`, memory linear
+in T, work proportional to the visible (query block, key block) pairs.
 
 Shapes: B batch, T query time, S key time, N q heads, K kv heads, G = N / K, H head_dim,
 Q queries per query block, C keys per key block, I = T / Q query blocks, J = S / C key blocks.
@@ -28,6 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from llm_jax.model.attention_math import attention_mask
+
 # Below this many keys (one or two blocks) the direct path (one T x S einsum) is as fast; from
 # here on the blockwise one is faster, causal or not (docs/benchmarks.md).
 BLOCKWISE_MIN_KEYS = 256
@@ -39,7 +41,7 @@ BLOCKWISE_SCORE_BYTES = 256 * 2**20
 DEFAULT_BLOCK = 64  # keys per key block (C)
 DEFAULT_Q_BLOCK = 128  # queries per query block (Q)
 
-_MASKED = -1e30  # as attention._MASKED: finite, a fully masked block adds exp(-1e30 - m) = 0
+_MASKED = -1e30  # as in attention_math: finite, a fully masked block adds exp(-1e30 - m) = 0
 _INT_MAX = jnp.iinfo(jnp.int32).max
 _INT_MIN = jnp.iinfo(jnp.int32).min
 
@@ -52,12 +54,6 @@ def use_blockwise(batch: int, q_len: int, kv_len: int, num_heads: int) -> bool:
         return False
     return kv_len >= BLOCKWISE_MIN_KEYS or batch * num_heads * q_len * kv_len * 4 \
         > BLOCKWISE_SCORE_BYTES
-
-
-def _mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC):
-    from llm_jax.model.attention import attention_mask  # attention.py imports this module
-
-    return attention_mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC)
 
 
 def _blocks(x_BT, c: int, pad_value) -> jax.Array:
@@ -145,7 +141,7 @@ def _pair_mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC, *, keys_first: bool = False):
     [B, 1, 1, Q, C], or against keys-first [B, K, C, G, Q] ones, [B, 1, C, 1, Q]. (Broadcast
     into a merged G Q minor axis, XLA:CPU's fusion computes the mask's index element by element
     and does not vectorise.)"""
-    m_BQC = _mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC)
+    m_BQC = attention_mask(qp_BQ, kp_BC, window, qs_BQ, ks_BC)
     return m_BQC.swapaxes(1, 2)[:, None, :, None] if keys_first else m_BQC[:, None, None]
 
 

@@ -4,7 +4,7 @@ Shapes: L layers, B batch, K kv heads, S cache slots of a layer, H head_dim, W s
 
 Each layer has its own `LayerCache` of S slots, a ring: position p lives in slot p % S. A full
 layer has S = max_len, so its slot is its position; a sliding layer keeps only the last
-S = min(max_len, W) positions it can still see (what `describe.kv_cache_bytes` prices). A slot's
+S = min(max_len, W) positions it can still see (what `costs.kv_cache_bytes` prices). A slot's
 position is never stored: for a sequence whose newest position is q, slot s holds
 q - ((q - s) mod S), or nothing if that is negative.
 
@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from llm_jax.config import ModelConfig
 from llm_jax.parallel.sharding import logical_to_spec
 
-# Logical names of a layer cache's dimensions, mapped onto a mesh by llm_jax.sharding.RULES
+# Logical names of a layer cache's dimensions, mapped onto a mesh by llm_jax.parallel.sharding.RULES
 # (batch on the data axes, kv heads on `tensor`), the same table the weights use.
 KEY_CACHE_AXES = ("batch", "kv_heads", "head_dim", "length")
 VALUE_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")

@@ -36,10 +36,6 @@ class LoRAParam(nnx.Param):
     """A trainable adapter; everything else (plain `nnx.Param`) is the frozen base."""
 
 
-def frozen_filter() -> nnx.filterlib.Filter:
-    return nnx.All(nnx.Param, nnx.Not(LoRAParam))
-
-
 def _delta_einsum(n_batch: int, n_in: int, n_out: int) -> str:
     """e.g. gate_up: 'aEr,arF->aEF' style: batch + in + r, batch + r + out -> batch + in + out."""
     bt, rest = _LETTERS[:n_batch], _LETTERS[n_batch:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.costs import _param_shards, memory_per_device
+from llm_jax.model.costs import memory_per_device, param_shards
 
 _COMPONENT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
               "gate_up_proj": "experts", "down_proj": "experts"}
@@ -54,7 +54,7 @@ def finetune_memory_per_device(cfg: ModelConfig, *, batch: int, seq_len: int,
                                targets: tuple[str, ...]) -> dict[str, Any]:
     """{"full": bytes by part, "lora": bytes by part}, per device."""
     full = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh)
-    shards = _param_shards(cfg, mesh)
+    shards = param_shards(cfg, mesh)
     adapters = sum(n * 4 / shards[_COMPONENT[t]][1]
                    for t, n in lora_param_counts(cfg, rank, targets).items())
     shapes = weight_shapes(cfg)

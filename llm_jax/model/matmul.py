@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from llm_jax.kernels.select import backend  # the platform traced for (AOT targets included)
+from llm_jax.runtime.backend import backend  # the platform traced for (AOT targets included)
 
 
 def _spec(spec: str) -> tuple[str, str, str]:

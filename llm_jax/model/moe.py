@@ -20,9 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.model.experts import ExpertWeights, Routing
 from llm_jax.model.lora import adapted
-from llm_jax.model.moe_dispatch import ExpertWeights, Routing, select_dispatch
+from llm_jax.model.moe_dispatch import select_dispatch
 from llm_jax.model.params import normal, param, zeros
+
 
 class MoEAux(NamedTuple):
     """Per-layer auxiliary outputs for training and monitoring."""

@@ -15,11 +15,11 @@ differ in how they lay out the work:
 | capacity            | yes  | C = ceil(factor A / E) slots per expert, batched einsum over slots  |
 | expert_parallel     | yes  | `shard_map` + all_to_all over the `expert` mesh axis (moe_parallel) |
 | gmm                 | no   | as ragged, with Pallas grouped matmuls: megablox on TPU, gmm_gpu    |
-|                     |      | (Triton) on GPU (kernels/grouped_moe.py)                            |
+|                     |      | (Triton) on GPU (kernels/grouped_matmul.py)                         |
 | expert_parallel_gmm | yes  | expert_parallel with those kernels for each device's experts        |
 
 `auto` (the default) picks a dropless one by shape and backend: `gather` when T k <= E (decoding
-a small batch reads only the chosen experts), else `gmm` on TPU (kernels/select.py says why),
+a small batch reads only the chosen experts), else `gmm` on TPU (model/select.py says why),
 `ragged` on GPU and `blocked` on CPU, where XLA lowers `ragged_dot` as dense work. The dropping
 dispatches are a training-speed opt-in: they apply only when the model is called with
 `train=True`, so evaluation, prefill and decode always compute the exact function
@@ -28,7 +28,6 @@ dispatches are a training-speed opt-in: they apply only when the model is called
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -36,66 +35,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from llm_jax.config import SWIGLU_ALPHA, ModelConfig
-from llm_jax.kernels.select import AUTO, backend
+from llm_jax.config import ModelConfig
+from llm_jax.model.experts import ExpertWeights, Routing, combine, sort_by_expert, swiglu, unsort
 from llm_jax.model.matmul import einsum
+from llm_jax.model.moe_parallel import moe_expert_parallel, moe_gmm
+from llm_jax.model.select import auto_moe
 from llm_jax.parallel.sharding import constrain
-
-
-class Routing(NamedTuple):
-    """Router outputs for T tokens."""
-
-    logits_TE: jax.Array  # float32 router logits
-    experts_Tk: jax.Array  # int32 chosen expert ids, best first
-    weights_Tk: jax.Array  # float32 softmax over the chosen logits
-
-
-class ExpertWeights(NamedTuple):
-    gate_up_EDF2: jax.Array
-    gate_up_bias_EF2: jax.Array
-    down_EFD: jax.Array
-    down_bias_ED: jax.Array
-
-
-def _clamped(h: jax.Array, limit: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(glu input, linear input, clamped glu, clamped linear), in float32."""
-    hf = h.astype(jnp.float32)
-    glu_in, lin_in = hf[..., 0::2], hf[..., 1::2]
-    return glu_in, lin_in, jnp.minimum(glu_in, limit), jnp.clip(lin_in, -limit, limit)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def swiglu(h: jax.Array, limit: float) -> jax.Array:
-    """gpt-oss clamped SwiGLU on interleaved [..., 2F] pre-activations -> [..., F] in h's dtype:
-    `glu * sigmoid(1.702 glu) * (lin + 1)`, glu = min(h[0::2], limit), lin = clip(h[1::2]).
-
-    Computed in float32, as the norms and RoPE are (one rounding for bfloat16). The gradient is
-    written out: JAX's own scatters the two strided halves back with two pads and an add, which
-    XLA:CPU ran ~6x slower than this one interleaving stack in a microbenchmark (in the whole
-    step the difference is within the noise: docs/benchmarks.md). The clamps pass the gradient
-    where the input is within them, bounds included, as torch's clamp does."""
-    _, _, glu, lin = _clamped(h, limit)
-    return (glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)).astype(h.dtype)
-
-
-def _swiglu_fwd(h, limit):
-    return swiglu(h, limit), h
-
-
-def _swiglu_bwd(limit, h, g):
-    glu_in, lin_in, glu, lin = _clamped(h, limit)
-    g = g.astype(jnp.float32)
-    sig = jax.nn.sigmoid(SWIGLU_ALPHA * glu)
-    dglu = g * (lin + 1.0) * sig * (1.0 + SWIGLU_ALPHA * glu * (1.0 - sig)) * (glu_in <= limit)
-    dlin = g * glu * sig * (jnp.abs(lin_in) <= limit)
-    return (jnp.stack([dglu, dlin], axis=-1).reshape(h.shape).astype(h.dtype),)
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-def _combine(y_TkD: jax.Array, routing: Routing) -> jax.Array:
-    return einsum("TkD,Tk->TD", y_TkD, routing.weights_Tk.astype(y_TkD.dtype))
+from llm_jax.runtime.backend import backend
 
 
 def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
@@ -111,17 +57,12 @@ def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float)
 def moe_ragged(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
     t, d = x_TD.shape
     k = routing.experts_Tk.shape[1]
-    e = w.gate_up_EDF2.shape[0]
-    experts_A = routing.experts_Tk.reshape(-1)
-    order_A = jnp.argsort(experts_A, stable=True)
-    sorted_experts_A = experts_A[order_A]
-    x_AD = x_TD[order_A // k]
-    group_sizes_E = jnp.bincount(experts_A, length=e).astype(jnp.int32)
-    h = jax.lax.ragged_dot(x_AD, w.gate_up_EDF2, group_sizes_E) + w.gate_up_bias_EF2[sorted_experts_A]
-    y_AD = jax.lax.ragged_dot(swiglu(h, limit), w.down_EFD, group_sizes_E) \
-        + w.down_bias_ED[sorted_experts_A]
-    y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to (token, choice) order
-    return _combine(y_AD.reshape(t, k, d), routing)
+    s = sort_by_expert(routing.experts_Tk, w.gate_up_EDF2.shape[0])
+    x_AD = x_TD[s.order_A // k]
+    h = jax.lax.ragged_dot(x_AD, w.gate_up_EDF2, s.group_sizes_E) + w.gate_up_bias_EF2[s.experts_A]
+    y_AD = jax.lax.ragged_dot(swiglu(h, limit), w.down_EFD, s.group_sizes_E) \
+        + w.down_bias_ED[s.experts_A]
+    return combine(unsort(y_AD, s.order_A).reshape(t, k, d), routing.weights_Tk)
 
 
 def moe_gather(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
@@ -137,7 +78,7 @@ def moe_gather(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float
     x_AD = jnp.repeat(x_TD, k, axis=0)
     h = einsum("AD,ADF->AF", x_AD, w.gate_up_EDF2[e_A], w.gate_up_bias_EF2[e_A])
     y = einsum("AF,AFD->AD", swiglu(h, limit), w.down_EFD[e_A], w.down_bias_ED[e_A])
-    return _combine(y.reshape(t, k, d), routing)
+    return combine(y.reshape(t, k, d), routing.weights_Tk)
 
 
 def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
@@ -151,10 +92,7 @@ def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: floa
     a = t * k
     block = int(min(256, max(8, 1 << max(0, (a // (2 * e)).bit_length() - 1))))  # pad <= ~A/2
     n_blocks = -(-a // block) + e
-    experts_A = routing.experts_Tk.reshape(-1)
-    order_A = jnp.argsort(experts_A, stable=True)
-    sorted_experts = experts_A[order_A]
-    counts_E = jnp.bincount(experts_A, length=e).astype(jnp.int32)
+    order_A, sorted_experts, counts_E = sort_by_expert(routing.experts_Tk, e)
     blocks_E = (counts_E + block - 1) // block
     block_end_E = jnp.cumsum(blocks_E)
     first_sorted_E = jnp.cumsum(counts_E) - counts_E
@@ -175,7 +113,7 @@ def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: floa
         return einsum("bF,FD->bD", swiglu(h, limit), w.down_EFD[ex], w.down_bias_ED[ex])
 
     y_AD = jax.lax.map(one_block, (x_GbD, expert_G)).reshape(-1, d)[slot_A]
-    return _combine(y_AD.reshape(t, k, d), routing)
+    return combine(y_AD.reshape(t, k, d), routing.weights_Tk)
 
 
 def capacity(num_tokens: int, cfg: ModelConfig) -> int:
@@ -236,8 +174,6 @@ def _gmm_kernel() -> dict[str, Any]:
 
 
 def _gmm(x, r, w, cfg):
-    from llm_jax.kernels.grouped_moe import moe_gmm  # Pallas: imported on demand
-
     return moe_gmm(x, r, w, cfg.swiglu_limit, **_gmm_kernel()), jnp.zeros((), jnp.float32)
 
 
@@ -246,21 +182,15 @@ def _capacity(x, r, w, cfg):
 
 
 def _expert_parallel(x, r, w, cfg):
-    from llm_jax.model.moe_parallel import moe_expert_parallel  # imports sharding rules
-
     return moe_expert_parallel(x, r, w, cfg.swiglu_limit, cfg.moe_capacity_factor)
 
 
 def _expert_parallel_exact(x, r, w, cfg):
     # A factor of E >= the expert-axis size gives every device pair all A slots: no drops.
-    from llm_jax.model.moe_parallel import moe_expert_parallel
-
     return moe_expert_parallel(x, r, w, cfg.swiglu_limit, float(cfg.num_experts))
 
 
 def _expert_parallel_gmm(x, r, w, cfg, factor: float | None = None):
-    from llm_jax.model.moe_parallel import moe_expert_parallel
-
     if factor is None:
         factor = cfg.moe_capacity_factor
     return moe_expert_parallel(x, r, w, cfg.swiglu_limit, factor, **_gmm_kernel())
@@ -283,8 +213,6 @@ DISPATCHES: dict[str, Dispatch] = {
 # What a dropping dispatch becomes outside training.
 EXACT_FALLBACK: dict[str, DispatchFn] = {"expert_parallel": _expert_parallel_exact,
                                           "expert_parallel_gmm": _expert_parallel_gmm_exact}
-# The dropless choice of `auto` for many tokens, by backend: kernels/select.py's table.
-AUTO_BY_BACKEND = {b: impls["moe"] for b, impls in AUTO.items()}
 
 
 def select_dispatch(cfg: ModelConfig, num_tokens: int, *, train: bool) -> DispatchFn:
@@ -297,11 +225,4 @@ def select_dispatch(cfg: ModelConfig, num_tokens: int, *, train: bool) -> Dispat
             return dispatch.fn
         if name in EXACT_FALLBACK:
             return EXACT_FALLBACK[name]
-    return DISPATCHES[auto_dispatch(cfg, num_tokens)].fn
-
-
-def auto_dispatch(cfg: ModelConfig, num_tokens: int) -> str:
-    """`auto`'s dropless dispatch for `num_tokens` tokens on the default backend."""
-    if num_tokens * cfg.experts_per_token <= cfg.num_experts:
-        return "gather"
-    return AUTO_BY_BACKEND.get(backend(), "ragged")
+    return DISPATCHES[auto_moe(cfg, num_tokens)].fn

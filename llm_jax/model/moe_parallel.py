@@ -1,4 +1,8 @@
-"""Expert-parallel MoE: the expert layer inside `jax.shard_map`, tokens exchanged by all_to_all.
+"""The MoE dispatches that run inside `jax.shard_map`: `expert_parallel` (tokens exchanged by
+all_to_all, below) and `gmm` (`moe_gmm`: the grouped-matmul kernels, opaque to XLA's sharding
+propagation, run on each device's tokens).
+
+Expert parallel:
 
 Shapes (per device): T local tokens, D hidden, k experts per token, A = T k assignments,
 n devices on the expert axis, El = E / n local experts, C slots per (source, destination) pair,
@@ -13,7 +17,7 @@ entry, as FSDP does. On every device:
 3. `all_to_all` over `expert`: device j receives the rows meant for its experts from every
    source;
 4. sort the received rows by local expert, grouped matmul (`jax.lax.ragged_dot`, or with
-   `kernel` a Pallas kernel of kernels/grouped_moe.py: the `expert_parallel_gmm` dispatch),
+   `kernel` a Pallas kernel of kernels/grouped_matmul.py: the `expert_parallel_gmm` dispatch),
    clamped SwiGLU, grouped matmul; with tensor > 1 each device holds a slice of F and the
    partial outputs are summed (`psum` over `tensor`);
 5. reverse `all_to_all`; each row returns to its source's slot; combine with the router weights.
@@ -23,6 +27,13 @@ factor >= n, C = A (a source's every assignment fits in one destination), so not
 dropped and the layer is exactly the single-device MoE; with a smaller factor it moves and
 computes factor x fewer rows, overflow is dropped and counted in `drop_fraction` (like the
 capacity dispatch). Without a mesh (or on one device) the same code runs with n = 1: dropless.
+
+gmm (`moe_gmm`): the function of `moe_dispatch.moe_ragged`, its two grouped matmuls by a Pallas
+kernel. Under a mesh it runs in `jax.shard_map`: tokens split over the batch axes, expert weights
+split over the `mlp` axes (tensor, on F) and gathered over the others (as FSDP gathers `embed`),
+the down projection's partial sums added by `psum` over `mlp`. So on a mesh with an `expert`
+axis every device gathers every expert: there `expert_parallel_gmm` (tokens sent to the experts'
+devices, the kernels on each device's own experts) is the kernel path.
 """
 
 from __future__ import annotations
@@ -34,9 +45,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from llm_jax.model.matmul import einsum
-from llm_jax.model.moe_dispatch import ExpertWeights, Routing, swiglu
-from llm_jax.parallel.sharding import RULES, logical_to_spec, spec_axes
+from llm_jax.kernels.grouped_matmul import grouped_matmul
+from llm_jax.model.experts import ExpertWeights, Routing, combine, sort_by_expert, swiglu, unsort
+from llm_jax.parallel.sharding import RULES, mesh_axes
 
 P = jax.sharding.PartitionSpec
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # ragged_dot's signature
@@ -45,11 +56,6 @@ GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # ragged
 def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -> int:
     """C: rows a device may send to one device of the expert axis (see module doc)."""
     return max(1, min(local_assignments, math.ceil(factor * local_assignments / expert_devices)))
-
-
-def _mesh_axes(mesh, names, rules) -> tuple[str, ...]:
-    spec = logical_to_spec(names, rules, mesh_axes=mesh.axis_names)
-    return tuple(a for e in spec for a in spec_axes(e) if mesh.shape[a] > 1)
 
 
 def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, limit: float,
@@ -98,7 +104,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
     y_back = jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True) if expert_axes else y_recv
     y_sorted = jnp.where(kept[:, None], y_back[jnp.minimum(flat, n * c - 1)], 0.0)
     y_A = jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
-    y_TD = einsum("TkD,Tk->TD", y_A.reshape(t, k, d), weights_Tk.astype(y_A.dtype))
+    y_TD = combine(y_A.reshape(t, k, d), weights_Tk)
     dropped = jnp.sum(~kept).astype(jnp.float32)
     if batch_axes:
         dropped = jax.lax.psum(dropped, batch_axes)
@@ -115,17 +121,15 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
     t, k = routing.experts_Tk.shape
     grouped: GroupedMatmul = jax.lax.ragged_dot
     if kernel is not None:
-        from llm_jax.kernels.grouped_moe import grouped_matmul  # Pallas: imported on demand
-
         grouped = functools.partial(grouped_matmul, kernel=kernel, interpret=interpret)
     kwargs = dict(limit=limit, factor=capacity_factor, grouped=grouped)
     if mesh.empty:
         y, dropped = _local_moe(x_TD, routing.experts_Tk, routing.weights_Tk, *w, expert_axes=(),
                                 mlp_axes=(), batch_axes=(), n=1, **kwargs)
         return y, dropped / (t * k)
-    batch_axes = _mesh_axes(mesh, ("batch",), rules)
-    expert_axes = _mesh_axes(mesh, ("experts",), rules)
-    mlp_axes = _mesh_axes(mesh, ("mlp",), rules)
+    batch_axes = mesh_axes(mesh, ("batch",), rules)
+    expert_axes = mesh_axes(mesh, ("experts",), rules)
+    mlp_axes = mesh_axes(mesh, ("mlp",), rules)
     n = math.prod(mesh.shape[a] for a in expert_axes)
     shards = math.prod(mesh.shape[a] for a in batch_axes)
     e, f2 = w.gate_up_EDF2.shape[0], w.gate_up_EDF2.shape[2]
@@ -154,3 +158,39 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
         out_specs=(tok, P()), check_vma=kernel is None,
     )(x_TD, routing.experts_Tk, routing.weights_Tk, *w)
     return y, dropped / (t * k)
+
+
+def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, interpret: bool,
+               kernel: str, mlp_axes: tuple[str, ...]):
+    t, d = x_TD.shape
+    k = experts_Tk.shape[1]
+    s = sort_by_expert(experts_Tk, w1.shape[0])
+    grouped = functools.partial(grouped_matmul, kernel=kernel, interpret=interpret)
+    h_AF2 = grouped(x_TD[s.order_A // k], w1, s.group_sizes_E) + b1[s.experts_A]
+    y_AD = grouped(swiglu(h_AF2, limit), w2, s.group_sizes_E)
+    if mlp_axes:
+        y_AD = jax.lax.psum(y_AD, mlp_axes)
+    y_AD = y_AD + b2[s.experts_A]
+    return combine(unsort(y_AD, s.order_A).reshape(t, k, d), weights_Tk)
+
+
+def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *,
+            kernel: str = "megablox", interpret: bool = False) -> jax.Array:
+    """`moe_ragged` with grouped-matmul kernels (`kernel`: "megablox" for TPU, "triton" for
+    GPU); on the mesh in context (see module doc)."""
+    args = (x_TD, routing.experts_Tk, routing.weights_Tk, w.gate_up_EDF2, w.gate_up_bias_EF2,
+            w.down_EFD, w.down_bias_ED)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return _local_gmm(*args, limit=limit, interpret=interpret, kernel=kernel, mlp_axes=())
+    batch, mlp = mesh_axes(mesh, ("batch",)), mesh_axes(mesh, ("mlp",))
+    if x_TD.shape[0] % math.prod(mesh.shape[a] for a in batch):
+        batch = ()
+    bs, ms = batch or None, mlp or None
+    fn = functools.partial(_local_gmm, limit=limit, interpret=interpret, kernel=kernel,
+                           mlp_axes=mlp)
+    return jax.shard_map(
+        fn, mesh=mesh,
+        in_specs=(P(bs), P(bs), P(bs), P(None, None, ms), P(None, ms), P(None, ms, None), P()),
+        out_specs=P(bs), check_vma=False,
+    )(*args)

@@ -16,7 +16,6 @@ expert-parallel MoE, does so in `jax.shard_map` instead.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -116,6 +115,34 @@ def make_mesh(
     return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
+def parse_mesh(spec: str, *, allow_fill: bool = False) -> dict[str, int]:
+    """'data=2,fsdp=4' -> {'data': 2, 'fsdp': 4, 'tensor': 1, 'expert': 1}; '' = one device.
+
+    allow_fill: one size may be -1 (the rest of the devices; llm_jax.parallel.sharding.make_mesh)."""
+    mesh = dict.fromkeys(MESH_AXES, 1)
+    seen = set()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq:
+            raise ValueError(f"--mesh item {item!r} is invalid: expected AXIS=SIZE, e.g. fsdp=4")
+        if name not in MESH_AXES:
+            raise ValueError(f"--mesh axis {name!r} is unknown: expected one of {MESH_AXES}")
+        if name in seen:
+            raise ValueError(f"--mesh axis {name!r} is given twice")
+        try:
+            size = int(value.strip())
+        except ValueError:
+            raise ValueError(
+                f"--mesh {name}={value.strip()!r} is invalid: expected a positive integer") from None
+        if size < 1 and not (allow_fill and size == -1):
+            raise ValueError(f"--mesh {name}={size} is invalid: expected a positive integer"
+                             + (" or -1" if allow_fill else ""))
+        mesh[name] = size
+        seen.add(name)
+    return mesh
+
+
 def mesh_from_config(mesh_cfg: Any, devices: Sequence[Any] | None = None) -> Mesh:
     """The mesh of a run config's `mesh` section (data, fsdp, tensor, expert, dcn_*)."""
     d = dict(mesh_cfg.items()) if hasattr(mesh_cfg, "items") else dict(mesh_cfg)
@@ -126,10 +153,6 @@ def mesh_from_config(mesh_cfg: Any, devices: Sequence[Any] | None = None) -> Mes
     ici = {a: d.get(a, 1) for a in MESH_AXES}
     dcn = {a: d.get(f"dcn_{a}", 1) for a in MESH_AXES}
     return make_mesh(ici, devices, dcn_sizes=dcn if any(v != 1 for v in dcn.values()) else None)
-
-
-def mesh_shape(mesh: Mesh | jax.sharding.AbstractMesh) -> dict[str, int]:
-    return dict(mesh.shape)
 
 
 # ------------------------------------------------------------------------ logical -> mesh
@@ -160,6 +183,15 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def mesh_axes(mesh: Mesh | jax.sharding.AbstractMesh, names: Sequence[str | None],
+              rules=RULES) -> tuple[str, ...]:
+    """The mesh axes that logical `names` split over in a `shard_map` on `mesh`: those of size > 1
+    and not already manual (inside an enclosing shard_map)."""
+    spec = logical_to_spec(names, rules, mesh_axes=mesh.axis_names)
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return tuple(a for e in spec for a in spec_axes(e) if mesh.shape[a] > 1 and a not in manual)
+
+
 def logical_axes(names: Sequence[str | None], rules=RULES) -> tuple[str, ...]:
     """All mesh axes the logical `names` map onto, in order (e.g. batch -> data, fsdp, expert)."""
     return tuple(a for e in logical_to_spec(names, rules) for a in spec_axes(e))
@@ -170,7 +202,7 @@ def state_shardings(state: Any, mesh: Mesh, rules=RULES):
 
     Works on any pytree holding nnx Variables: params, and the optimizer state built from them
     (optax's `tree_map`s over an nnx.State keep each Variable and its metadata, so Adam's m and
-    v get exactly their param's sharding; tests/test_sharding.py checks it). Other leaves (step,
+    v get exactly their param's sharding; tests/parallel/test_sharding.py checks it). Other leaves (step,
     Adam's count) are replicated.
     """
 
@@ -257,9 +289,3 @@ def with_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
 
     return wrapped
 
-
-@contextlib.contextmanager
-def no_mesh():
-    """A context with no mesh (for code that must run the single-device path)."""
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-        yield

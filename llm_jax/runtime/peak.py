@@ -10,6 +10,12 @@ peak_flops.json`, else `~/.cache/...`; `LLM_JAX_PEAK_CACHE` names another file, 
 keyed by the device (CPU model and usable threads, or the accelerator's kind), dtype and jax
 version. An entry only ever rises to the largest measurement (`python -m llm_jax.bench peak`
 adds one), so every later run divides by the same number, and says where it came from.
+
+A figure measured by the trainer at start-up is rough: the machine may be busy then (the figure
+in a fresh run on 2 shared cores was 8.2e10 where a quiet `bench peak` gives 1.2-1.5e11, so the
+first MFU read 0.8). So the entry counts the measurements `bench peak` made on purpose, and
+until there is one `peak_flops` says plainly that the figure is rough and how to make it exact.
+The trainer measures before its data pipeline and compiler start, to keep its own load out.
 """
 
 from __future__ import annotations
@@ -120,15 +126,26 @@ def _write(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)  # atomic: concurrent runs never read half a file
 
 
-def record_peak(dtype: str, measured: dict[str, float], n: int, repeats: int) -> tuple[dict, str]:
-    """Adds one measurement to the cache: the entry keeps the largest peak seen. Returns the
+def load_per_core() -> float | None:
+    """The 1-minute load average per usable core (None where the OS does not say)."""
+    try:
+        return os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return None
+
+
+def record_peak(dtype: str, measured: dict[str, float], n: int, repeats: int, *,
+                by_bench: bool = True) -> tuple[dict, str]:
+    """Adds one measurement to the cache: the entry keeps the largest peak seen. `by_bench`:
+    made on purpose by `bench peak` (not in passing at a trainer's start-up). Returns the
     entry and where it is (or why it was not stored)."""
     path, key = cache_file(), cache_key(dtype)
     data = _read(path)
     old = data.get(key, {})
     entry = {"peak": max(measured["peak"], float(old.get("peak", 0.0))),
              "measurements": int(old.get("measurements", 0)) + 1,
-             "last": {**measured, "n": n, "repeats": repeats,
+             "bench_measurements": int(old.get("bench_measurements", 0)) + int(by_bench),
+             "last": {**measured, "n": n, "repeats": repeats, "load_per_core": load_per_core(),
                       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}}
     if path is None:
         return entry, f"{CACHE_ENV}=off"
@@ -139,13 +156,29 @@ def record_peak(dtype: str, measured: dict[str, float], n: int, repeats: int) ->
     return entry, str(path)
 
 
+ROUGH_HINT = ("ROUGH: no `python -m llm_jax.bench peak` has measured this machine; run it "
+              "once on a quiet machine to make MFU exact, or set train.peak_flops")
+
+
+def is_rough(source: str) -> bool:
+    """Whether `peak_flops`'s source says the figure is rough."""
+    return source.startswith("ROUGH")
+
+
 def peak_flops(dtype: str = "float32", *, n: int = 2048, repeats: int = 9) -> tuple[float, str]:
     """(the MFU denominator in FLOP/s, its source): this machine's cached peak, else one
-    measurement of `repeats` n^3 matmuls, then cached."""
+    measurement of `repeats` n^3 matmuls, then cached. The source starts with "ROUGH" (and
+    says what to do) until `bench peak` has measured the machine (module doc)."""
     path, key = cache_file(), cache_key(dtype)
     entry = _read(path).get(key)
     if entry and entry.get("peak", 0) > 0:
-        return float(entry["peak"]), (f"cached peak, max of {entry.get('measurements', 1)} "
-                                      f"measurement(s), {path}")
-    entry, where = record_peak(dtype, measure_peak_flops(dtype, n, repeats), n, repeats)
-    return entry["peak"], f"measured now (best of {repeats} {n}^3 matmuls), {where}"
+        where = f"max of {entry.get('measurements', 1)} measurement(s), {path}"
+    else:
+        entry, stored = record_peak(dtype, measure_peak_flops(dtype, n, repeats), n, repeats,
+                                    by_bench=False)
+        load = entry["last"]["load_per_core"]
+        where = (f"measured now, best of {repeats} {n}^3 matmuls"
+                 + ("" if load is None else f" at load {load:.2f} per core") + f", {stored}")
+    if entry.get("bench_measurements", 0) > 0:
+        return float(entry["peak"]), f"cached peak, {where}"
+    return float(entry["peak"]), f"{ROUGH_HINT} ({where})"

@@ -3,7 +3,7 @@
 `train.init_from` names any directory `load_pretrained` reads. Its model config is the run's:
 a run config's `model` field left `None` (configs/finetune_*.py) takes the checkpoint's value;
 a set field must equal it unless it only chooses how the function is computed
-(formats.OVERRIDABLE_FIELDS: dtype, param_dtype, moe_dispatch, remat, ...), so a changed shape
+(configs.OVERRIDABLE_FIELDS: dtype, param_dtype, moe_dispatch, remat, ...), so a changed shape
 is refused by name. A resumed run takes the config (and params) from its own checkpoint.
 """
 
@@ -22,9 +22,10 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.model.transformer import Transformer
-from llm_jax.training.checkpointing import Checkpointer
 from llm_jax.training.step import ModelFn, Steps, TrainState
-from llm_jax.weights.formats import FORMATS, OVERRIDABLE_FIELDS, detect_format, load_pretrained
+from llm_jax.weights.checkpointing import Checkpointer
+from llm_jax.weights.configs import OVERRIDABLE_FIELDS
+from llm_jax.weights.readers import FORMATS, detect_format, load_pretrained
 
 
 def from_checkpoint_model_section() -> ml_collections.ConfigDict:

@@ -2,19 +2,23 @@
 
 The loop is the only impure part: it feeds batches to the jitted step, logs every
 `train.log_every_steps` (one host sync there), evaluates, checkpoints, and at the end draws the
-curves and samples a few lines. Rerunning with the same --workdir resumes from the latest
-checkpoint, exactly: params, optimizer, step and data iterator are restored.
+curves and samples a few lines. Read it in three parts: `setup` builds the run's pieces (`Run`),
+`_loop` runs the steps and calls the periodic actions (`check_finite`, `log`, `save`), each a small
+function of the run and its mutable `Progress`; `finish` draws and samples. Rerunning with the same
+--workdir resumes from the latest checkpoint, exactly: params, optimizer, step and data iterator are
+restored.
 
-Faults (docs/reliability.md): SIGTERM / SIGINT finish the step, save and exit (128 + signal);
-a second one exits at once. Interrupted saves are removed at start-up and corrupt checkpoints
-skipped (llm_jax.checkpointing). Each step returns an `isfinite` flag that the loop reads one
-step late, so the host stays a step ahead of the device, and before every save: a non-finite
-loss or gradient stops the run naming the step, or with `train.skip_nonfinite_updates` the step
-left params and moments as they were and is counted.
+Faults (docs/reliability.md): SIGTERM / SIGINT finish the step, save and exit (128 + signal); a
+second one exits at once. Interrupted saves are removed at start-up and corrupt checkpoints skipped
+(llm_jax.weights.checkpointing). Each step returns an `isfinite` flag that the loop reads one step
+late, so the host stays a step ahead of the device, and before every save: a non-finite loss or
+gradient stops the run naming the step, or with `train.skip_nonfinite_updates` the step left params
+and moments as they were and is counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -25,21 +29,28 @@ from typing import Any
 import jax
 import ml_collections
 from absl import logging
+from flax import nnx
+from tqdm import tqdm
 
 from llm_jax.config import ModelConfig
-from llm_jax.kernels.select import kernels_line
-from llm_jax.model import costs as describe
+from llm_jax.data import make_datasets
+from llm_jax.data.sft import make_sft_data
+from llm_jax.inference import sample
+from llm_jax.model import abstract_model, costs
+from llm_jax.model.select import kernels_line
 from llm_jax.parallel import distributed
 from llm_jax.parallel.sharding import mesh_from_config
 from llm_jax.runtime.malloc import active_malloc
 from llm_jax.runtime.peak import peak_flops
 from llm_jax.training import faults, finetune
-from llm_jax.training.checkpointing import Checkpointer, check_same_model
 from llm_jax.training.metrics import MetricsWriter, read_metrics
+from llm_jax.training.plots import plot_expert_load, plot_losses
 from llm_jax.training.preemption import Interrupted, StopRequest
 from llm_jax.training.run_config import model_config, validate_run_config
 from llm_jax.training.step import Steps, compile_steps, make_optimizer
 from llm_jax.training.workdir_lock import hold_workdir
+from llm_jax.weights.checkpointing import Checkpointer, check_same_model
+
 
 def ensure_writable(workdir: str) -> None:
     """Creates the workdir and writes a file in it (a name of its own per process: every
@@ -72,11 +83,6 @@ def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
                 num_samples: int = 3, max_new_tokens: int = 64,
                 model_fn: Any = None) -> list[str]:
     """A few continuations of short code prompts, to see what the model learned."""
-    from flax import nnx
-
-    from llm_jax.inference import sample
-    from llm_jax.model import abstract_model
-
     abstract = abstract_model(cfg) if model_fn is None else \
         nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0)))
     model = nnx.merge(nnx.graphdef(abstract), jax.device_get(params))
@@ -94,26 +100,103 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     validate_run_config(cfg)  # before the workdir is touched
     ensure_writable(workdir)
     with StopRequest() as stop, hold_workdir(workdir):
-        return _train(cfg, workdir, stop)
+        run = setup(cfg, workdir, stop)
+        try:
+            last = _loop(run, stop)
+        finally:
+            run.ckpt.close()
+            run.data.train_iter.close()  # stops its prefetch thread and worker processes
+        finish(run)
+        return last
 
 
-def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> dict[str, Any]:
-    from tqdm import tqdm
+# ------------------------------------------------------------------------------ setup
 
-    from llm_jax.data import make_datasets
-    from llm_jax.data.sft import make_sft_data
 
+@dataclasses.dataclass
+class Run:
+    """A run's pieces, built once by `setup`; `progress` is what the loop changes."""
+
+    cfg: ml_collections.ConfigDict
+    workdir: str
+    mcfg: ModelConfig
+    ckpt: Checkpointer
+    data: Any  # Data or SFTData: train_iter, make_eval_iter, tokenizer
+    steps: Steps
+    build: Any  # the model builder (a LoRA model when fine-tuning)
+    writer: MetricsWriter
+    start: int
+    flops_per_token: float
+    peak: float
+    config_json: dict[str, Any]
+    progress: Progress
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the loop carries from step to step."""
+
+    state: Any  # TrainState
+    last_saved: int
+    skipped: int  # non-finite updates skipped so far
+    unchecked: tuple[int, Any] | None = None  # (step, its isfinite flag), read one step late
+    last: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last logged record
+    t_log: float = 0.0
+    steps_since_log: int = 0
+
+
+def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Run:
+    """The mesh, checkpointer, model config, data, compiled steps and the restored (or new)
+    state: everything the loop needs, each refused by name before the expensive parts."""
     tc = cfg.train
-    is_main = jax.process_index() == 0
     mesh = mesh_from_config(cfg.mesh)
     logging.info("mesh %s over %d devices in %d process(es); host malloc: %s", dict(mesh.shape),
                  mesh.size, jax.process_count(), active_malloc())
     ckpt = Checkpointer(workdir, max_to_keep=cfg.checkpoint.max_to_keep,
                         async_save=cfg.checkpoint.async_save, cleanup_tmp=True,
                         checksums=cfg.checkpoint.checksums)
-    # The newest checkpoint that passes its checksums and whose config reads; the corrupt ones
-    # are reported and moved to WORKDIR/corrupt_checkpoints. Refuse a changed model before any
-    # expensive work.
+    latest, mcfg = _model_config(cfg, ckpt)
+    # The MFU denominator, measured (if not cached) before the data pipeline's threads and the
+    # compiler start, so that they do not share the cores with it (runtime/peak.py).
+    peak, peak_source = ((tc.peak_flops, "train.peak_flops") if tc.peak_flops
+                         else peak_flops(mcfg.dtype))
+    data = _open_data(cfg, workdir, mcfg)
+    if latest is not None:  # refused here: Orbax failing on it would quarantine the checkpoint
+        data.check_checkpoint(ckpt.step_dir(latest))
+    if stop.signum:  # a signal during start-up: nothing new to save
+        raise Interrupted(f"stopped by signal {stop.signum} before training", -1, stop.signum)
+    build = finetune.model_fn(mcfg, cfg.lora, cfg.seed)
+    steps = compile_steps(mcfg, tc, mesh, cfg.seed, build, finetune.trainable(cfg.lora))
+    state, progress = _initial_state(cfg, mcfg, ckpt, data, steps, latest)
+    start = int(jax.device_get(state.step))
+    writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
+    writer.truncate_after(start)
+    seq_len = cfg.data.seq_len
+    flops_per_token = costs.flops_per_token(mcfg, seq_len, training=True)
+    logging.info("model: %s params (%s active); %.3g train FLOPs/token; MFU peak %.3g FLOP/s "
+                 "(%s; %s)", f"{costs.total_params(mcfg):,}",
+                 f"{costs.active_params(mcfg):,}", flops_per_token, peak, mcfg.dtype,
+                 peak_source)
+    logging.info("kernels: %s", kernels_line(mcfg, tc.batch_size, seq_len))
+    # The first shuffle window (data.shuffle_buffer_tokens) fills in the pipeline's thread while
+    # the train step compiles here, instead of one after the other before step 1.
+    data.train_iter.start_prefetch()
+    steps.train.lower(state, {k: jax.ShapeDtypeStruct((tc.batch_size, seq_len), dtype,
+                                                      sharding=steps.batch_sharding)
+                              for k, dtype in data.batch_dtypes.items()}).compile()
+    return Run(cfg=cfg, workdir=workdir, mcfg=mcfg, ckpt=ckpt, data=data, steps=steps,
+               build=build, writer=writer, start=start, flops_per_token=flops_per_token,
+               peak=peak, config_json=cfg.to_dict() | {"model": mcfg.to_dict()},
+               progress=Progress(state=state, last_saved=start,
+                                 skipped=int(progress.get("skipped_updates", 0))))
+
+
+def _model_config(cfg: ml_collections.ConfigDict, ckpt: Checkpointer
+                  ) -> tuple[int | None, ModelConfig]:
+    """(the newest restorable step or None, the run's ModelConfig). The newest checkpoint that
+    passes its checksums and whose config reads; the corrupt ones are reported and moved to
+    WORKDIR/corrupt_checkpoints. A changed model is refused before any expensive work."""
+    tc = cfg.train
     latest, saved_config = ckpt.first_restorable(ckpt.restore_config, move_bad=True)
     if tc.init_from:  # a resumed run keeps its own weights and config: init_from is not read
         base = (ModelConfig.from_dict(saved_config["model"]) if latest is not None
@@ -125,8 +208,14 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
         check_same_model(saved_config, mcfg, ckpt.directory)
     else:
         ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
+    return latest, mcfg
 
-    # Process 0 builds the tokenizer (and a local TFDS build) in the workdir; the others read them.
+
+def _open_data(cfg: ml_collections.ConfigDict, workdir: str, mcfg: ModelConfig) -> Any:
+    """The pre-training or SFT data, its tokenizer checked against the model's vocabulary.
+    Process 0 builds the tokenizer (and a named TFDS dataset) in the workdir; the others read
+    them."""
+    tc, is_main = cfg.train, jax.process_index() == 0
     if not is_main:
         distributed.barrier("data")
     sft = bool(cfg.sft.files or cfg.sft.tfds_name)
@@ -144,150 +233,157 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> d
     if not sft and data.tokenizer.vocab_size != mcfg.vocab_size:
         raise ValueError(f"tokenizer in {workdir} has vocab {data.tokenizer.vocab_size}, "
                          f"model.vocab_size is {mcfg.vocab_size}")
-    if latest is not None:  # refused here: Orbax failing on it would quarantine the checkpoint
-        data.check_checkpoint(ckpt.step_dir(latest))
-    if stop.signum:  # a signal during start-up: nothing new to save
-        raise Interrupted(f"stopped by signal {stop.signum} before training", -1, stop.signum)
-    build = finetune.model_fn(mcfg, cfg.lora, cfg.seed)
-    steps = compile_steps(mcfg, tc, mesh, cfg.seed, build, finetune.trainable(cfg.lora))
-    progress: dict[str, Any] = {}
+    return data
+
+
+def _initial_state(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, ckpt: Checkpointer,
+                   data: Any, steps: Steps, latest: int | None) -> tuple[Any, dict[str, Any]]:
+    """(train state, saved progress): restored from the newest checkpoint that restores, else
+    new (from train.init_from when fine-tuning), with the data iterator at its start."""
+    tc = cfg.train
     fresh_data = data.train_iter.get_state()  # a failed restore may have moved the iterator
     if latest is not None:
         latest, restored = ckpt.first_restorable(
             lambda s: (ckpt.restore(s, steps.abstract_state, data.train_iter),
                        ckpt.restore_progress(s)), move_bad=True)
-    if latest is None:
-        ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
-        data.train_iter.set_state(fresh_data)
-        if tc.init_from:
-            state = finetune.initial_state(steps, make_optimizer(tc), tc.init_from, mcfg,
-                                           cfg.lora, cfg.seed)
-            logging.info("initialised from %s (optimizer fresh)", tc.init_from)
-        else:
-            state = steps.init()
-    else:
-        state, progress = restored
+    if latest is not None:
         logging.info("resumed from step %d in %s", latest, ckpt.directory)
-    start = int(jax.device_get(state.step))
-    last_saved = start
-    skipped = int(progress.get("skipped_updates", 0))
+        return restored
+    ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
+    data.train_iter.set_state(fresh_data)
+    if tc.init_from:
+        state = finetune.initial_state(steps, make_optimizer(tc), tc.init_from, mcfg,
+                                       cfg.lora, cfg.seed)
+        logging.info("initialised from %s (optimizer fresh)", tc.init_from)
+        return state, {}
+    return steps.init(), {}
 
-    writer = MetricsWriter(workdir, enabled=is_main)
-    writer.truncate_after(start)
-    seq_len = cfg.data.seq_len
-    tokens_per_step = tc.batch_size * seq_len
-    flops_per_token = describe.flops_per_token(mcfg, seq_len, training=True)
-    peak, peak_source = ((tc.peak_flops, "train.peak_flops") if tc.peak_flops
-                         else peak_flops(mcfg.dtype))
-    logging.info("model: %s params (%s active); %.3g train FLOPs/token; MFU peak %.3g FLOP/s "
-                 "(%s; %s)", f"{describe.total_params(mcfg):,}",
-                 f"{describe.active_params(mcfg):,}", flops_per_token, peak, mcfg.dtype,
-                 peak_source)
-    logging.info("kernels: %s", kernels_line(mcfg, tc.batch_size, seq_len))
-    config_json = cfg.to_dict() | {"model": mcfg.to_dict()}  # init_from's config resolved
-    proto = getattr(data.tokenizer, "_proto", None)
 
-    def check_finite(step: int, finite: Any) -> None:
-        """Stops (or counts a skip) if `step` was not finite; never lets it reach a save."""
-        nonlocal skipped
-        if bool(finite):
-            return
-        if tc.skip_nonfinite_updates:
-            skipped += 1
-            logging.warning("step %d: non-finite loss or gradients; update skipped (%d so far)",
-                            step, skipped)
-            return
-        ckpt.wait()  # an earlier, finite save in flight completes
-        raise FloatingPointError(
-            f"non-finite loss or gradients at step {step}: training stopped and nothing after "
-            f"step {last_saved} was saved. Last good checkpoint: step {ckpt.latest_step()} in "
-            f"{ckpt.directory}. Lower train.learning_rate or raise train.warmup_steps, or set "
-            "train.skip_nonfinite_updates=True to skip such updates")
+# ------------------------------------------------------------------------------ the loop
 
-    def save(step: int) -> None:
-        nonlocal last_saved
-        ckpt.save(step, state, config=config_json, data_iter=data.train_iter,
-                  tokenizer_proto=proto, progress={"skipped_updates": skipped})
-        last_saved = step
-        faults.maybe_kill_during_save(step, cfg.checkpoint.inject_kill_during_save_at_step)
 
-    bar = tqdm(total=tc.num_steps, initial=start, disable=not is_main, dynamic_ncols=True,
-               desc="train")
-    last: dict[str, Any] = {}
-    t_log, steps_since_log = time.perf_counter(), 0
-    unchecked = None  # (step, its isfinite flag), read after the next step is dispatched
-
-    def check_pending() -> None:
-        nonlocal unchecked
-        if unchecked is not None:
-            check_finite(*unchecked)
-            unchecked = None
+def _loop(run: Run, stop: StopRequest) -> dict[str, Any]:
+    """The steps from `run.start`, with the periodic actions; returns the last logged record.
+    Raises `Interrupted` after saving when a stop signal arrived."""
+    tc, p = run.cfg.train, run.progress
+    bar = tqdm(total=tc.num_steps, initial=run.start, disable=jax.process_index() != 0,
+               dynamic_ncols=True, desc="train")
+    p.t_log = time.perf_counter()
     try:
-        for step in range(start, tc.num_steps):
+        for step in range(run.start, tc.num_steps):
             if stop.should_stop(step, agree=step % tc.log_every_steps == 0):
                 break
-            batch = distributed.global_batch(next(data.train_iter), steps.batch_sharding)
-            state, metrics = steps.train(state, batch)
-            check_pending()
-            steps_since_log += 1
+            batch = distributed.global_batch(next(run.data.train_iter), run.steps.batch_sharding)
+            p.state, metrics = run.steps.train(p.state, batch)
+            check_pending(run)
+            p.steps_since_log += 1
             done = step + 1
-            unchecked = (done, metrics.pop("finite"))
-            if done % tc.log_every_steps == 0 or done == tc.num_steps or done == start + 1:
-                m = jax.device_get(metrics)
-                now = time.perf_counter()
-                record = {k: (v if k == "expert_load" else float(v)) for k, v in m.items()}
-                if done > start + 1:  # the first step includes compilation
-                    tps = steps_since_log * tokens_per_step / (now - t_log)
-                    record |= {"tokens_per_sec": tps,
-                               "step_time": (now - t_log) / steps_since_log,
-                               "mfu": tps * flops_per_token / peak}
-                t_log, steps_since_log = now, 0
-                if tc.eval_every_steps and (done % tc.eval_every_steps == 0
-                                            or done == tc.num_steps):
-                    record |= evaluate(steps, state.params, data, tc.eval_batches)
-                    t_log = time.perf_counter()  # evaluation time is not training throughput
-                if tc.skip_nonfinite_updates:
-                    check_pending()
-                    record["skipped_updates"] = float(skipped)
-                writer.write(done, record)  # a non-finite step is logged, then stops the run
-                last = record
-                check_pending()
-                bar.set_postfix({k: f"{record[k]:.4g}" for k in
-                                 ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_bpb")
-                                 if k in record}, refresh=False)
+            p.unchecked = (done, metrics.pop("finite"))
+            if done % tc.log_every_steps == 0 or done == tc.num_steps or done == run.start + 1:
+                log(run, done, metrics, bar)
             bar.update(1)
-            ckpt.poll()
-            if done % cfg.checkpoint.every_steps == 0 or done == tc.num_steps:
-                check_pending()
-                save(done)
-        check_pending()
+            run.ckpt.poll()
+            if done % run.cfg.checkpoint.every_steps == 0 or done == tc.num_steps:
+                check_pending(run)
+                save(run, done)
+        check_pending(run)
         if stop.signum is not None:
-            completed = int(jax.device_get(state.step))
-            if completed != last_saved:
-                save(completed)
-            ckpt.wait()
-            name = "preemption" if stop.preempted else signal.Signals(stop.signum).name
-            raise Interrupted(
-                f"stopped by {name} after step {completed}: checkpoint step {completed} saved in "
-                f"{ckpt.directory}; rerun the same command to resume", completed, stop.signum)
+            save_and_stop(run, stop)
     finally:
         bar.close()
-        ckpt.close()
-        data.train_iter.close()  # stops its prefetch thread and worker processes
+    return p.last
 
-    if is_main and os.path.exists(writer.path):
-        from llm_jax.training.plots import plot_expert_load, plot_losses
 
-        records = read_metrics(writer.path)
-        plot_losses(records, os.path.join(workdir, "loss.png"))
-        plot_expert_load(records, os.path.join(workdir, "expert_load.png"))
+def check_finite(run: Run, step: int, finite: Any) -> None:
+    """Stops (or counts a skip) if `step` was not finite; never lets it reach a save."""
+    p = run.progress
+    if bool(finite):
+        return
+    if run.cfg.train.skip_nonfinite_updates:
+        p.skipped += 1
+        logging.warning("step %d: non-finite loss or gradients; update skipped (%d so far)",
+                        step, p.skipped)
+        return
+    run.ckpt.wait()  # an earlier, finite save in flight completes
+    raise FloatingPointError(
+        f"non-finite loss or gradients at step {step}: training stopped and nothing after "
+        f"step {p.last_saved} was saved. Last good checkpoint: step {run.ckpt.latest_step()} in "
+        f"{run.ckpt.directory}. Lower train.learning_rate or raise train.warmup_steps, or set "
+        "train.skip_nonfinite_updates=True to skip such updates")
+
+
+def check_pending(run: Run) -> None:
+    """The finite check of the last dispatched step, if not yet done."""
+    p = run.progress
+    if p.unchecked is not None:
+        step, finite = p.unchecked
+        p.unchecked = None
+        check_finite(run, step, finite)
+
+
+def log(run: Run, done: int, metrics: dict[str, Any], bar: Any) -> None:
+    """Step `done`'s metrics with throughput and MFU (and the evaluation when due), written
+    to metrics.jsonl and the progress bar; then the finite check, so a non-finite step is
+    logged before it stops the run."""
+    tc, p = run.cfg.train, run.progress
+    m = jax.device_get(metrics)
+    now = time.perf_counter()
+    record = {k: (v if k == "expert_load" else float(v)) for k, v in m.items()}
+    if done > run.start + 1:  # the first step includes compilation
+        tps = p.steps_since_log * tc.batch_size * run.cfg.data.seq_len / (now - p.t_log)
+        record |= {"tokens_per_sec": tps, "step_time": (now - p.t_log) / p.steps_since_log,
+                   "mfu": tps * run.flops_per_token / run.peak}
+    p.t_log, p.steps_since_log = now, 0
+    if tc.eval_every_steps and (done % tc.eval_every_steps == 0 or done == tc.num_steps):
+        record |= evaluate(run.steps, p.state.params, run.data, tc.eval_batches)
+        p.t_log = time.perf_counter()  # evaluation time is not training throughput
+    if tc.skip_nonfinite_updates:
+        check_pending(run)
+        record["skipped_updates"] = float(p.skipped)
+    run.writer.write(done, record)
+    p.last = record
+    check_pending(run)
+    bar.set_postfix({k: f"{record[k]:.4g}" for k in
+                     ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_bpb")
+                     if k in record}, refresh=False)
+
+
+def save(run: Run, step: int) -> None:
+    """A checkpoint of step `step`: state, config, data iterator, tokenizer, progress."""
+    p = run.progress
+    run.ckpt.save(step, p.state, config=run.config_json, data_iter=run.data.train_iter,
+                  tokenizer_proto=getattr(run.data.tokenizer, "_proto", None),
+                  progress={"skipped_updates": p.skipped})
+    p.last_saved = step
+    faults.maybe_kill_during_save(step, run.cfg.checkpoint.inject_kill_during_save_at_step)
+
+
+def save_and_stop(run: Run, stop: StopRequest) -> None:
+    """After a stop signal: save the last completed step (unless saved), then `Interrupted`."""
+    completed = int(jax.device_get(run.progress.state.step))
+    if completed != run.progress.last_saved:
+        save(run, completed)
+    run.ckpt.wait()
+    name = "preemption" if stop.preempted else signal.Signals(stop.signum).name
+    raise Interrupted(
+        f"stopped by {name} after step {completed}: checkpoint step {completed} saved in "
+        f"{run.ckpt.directory}; rerun the same command to resume", completed, stop.signum)
+
+
+def finish(run: Run) -> None:
+    """Process 0: the loss and expert-load plots, and a few samples (one process only)."""
+    tc = run.cfg.train
+    if jax.process_index() == 0 and os.path.exists(run.writer.path):
+        records = read_metrics(run.writer.path)
+        plot_losses(records, os.path.join(run.workdir, "loss.png"))
+        plot_expert_load(records, os.path.join(run.workdir, "expert_load.png"))
         samples = []
         if tc.num_samples and jax.process_count() == 1:  # multi-host params are not all here
-            samples = sample_text(state.params, mcfg, data.tokenizer, seed=cfg.seed,
-                                  num_samples=tc.num_samples, model_fn=build)
-        with open(os.path.join(workdir, "samples.txt"), "w") as f:
+            samples = sample_text(run.progress.state.params, run.mcfg, run.data.tokenizer,
+                                  seed=run.cfg.seed, num_samples=tc.num_samples,
+                                  model_fn=run.build)
+        with open(os.path.join(run.workdir, "samples.txt"), "w") as f:
             f.write("\n\n".join(samples))
         for s in samples:
             print("---- sample ----\n" + s)
-    writer.close()
-    return last
+    run.writer.close()

@@ -14,7 +14,7 @@ leaves a collective the others are in. The value given to the sync point counts 
 (1, 2, ...) rather than being the training step: a notice that arrives before the first call (during
 start-up) sets the sync point to 1, which a resumed run starting at step 800 would otherwise never
 reach. Orbax's own calls, which would set the counter back, are switched off
-(llm_jax.checkpointing._Manager).
+(the manager of llm_jax.weights.checkpointing.Checkpointer).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from types import FrameType
 
 import jax
 from absl import logging
+
+from llm_jax.parallel import distributed
 
 _EXIT_NOW = "second signal %s: exiting now; the last complete checkpoint is kept\n"
 
@@ -101,8 +103,6 @@ class StopRequest:
             return self.signum is not None
         if not agree:
             return False
-        from llm_jax.parallel import distributed
-
         flags = distributed.process_allgather_int(self.signum or 0)
         signum = max(flags)
         if signum:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from llm_jax.config import ModelConfig
+from llm_jax.data.config import ON_BAD_FILE, ON_BAD_LINE
 
 
 def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDict:
@@ -18,102 +19,137 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.name = name
     cfg.seed = 0
     cfg.model = ml_collections.ConfigDict(model.to_dict())
+    cfg.data = _data()
+    cfg.train = _train()
+    cfg.sft = _sft()
+    cfg.lora = _lora()
+    cfg.mesh = _mesh()
+    cfg.distributed = _distributed()
+    cfg.checkpoint = _checkpoint()
+    return cfg
 
-    cfg.data = ml_collections.ConfigDict()
-    cfg.data.tfds_name = ""  # any TFDS text dataset by name (needs internet), e.g. "lm1b"
-    cfg.data.text_key = "text"  # feature holding the text in a TFDS dataset
-    cfg.data.tfds_train_split = "train"
-    cfg.data.tfds_eval_split = ""  # "" = "validation" if the dataset has it, else "test"
-    cfg.data.files = ""  # a glob of local text files; "" = the Python standard library's .py files
-    cfg.data.array_record_train = ""  # glob of ArrayRecord shards of UTF-8 documents (records)
-    cfg.data.array_record_eval = ""  # the evaluation shards (needed with array_record_train)
-    cfg.data.data_dir = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
-    cfg.data.validation_fraction = 0.02  # local text: share of files (by path hash) held out
-    cfg.data.seq_len = 256
-    cfg.data.shuffle_seed = 0
-    cfg.data.shuffle_buffer_tokens = 1 << 20  # packed rows shuffled together; 0 = off
-    cfg.data.worker_count = 0  # Grain worker processes; 0 = load in the main process
-    cfg.data.prefetch = 2  # batches read ahead by a background thread; 0 = none
-    cfg.data.tokenizer_train_bytes = 20_000_000  # text used to train the BPE tokenizer
 
-    cfg.train = ml_collections.ConfigDict()
-    cfg.train.num_steps = 1000
-    cfg.train.batch_size = 8  # global batch, in sequences
-    cfg.train.grad_accum_steps = 1
-    cfg.train.learning_rate = 3e-3
-    cfg.train.warmup_steps = 100
-    cfg.train.min_lr_ratio = 0.1  # cosine decay ends at learning_rate * min_lr_ratio
-    cfg.train.weight_decay = 0.1
-    cfg.train.b1 = 0.9
-    cfg.train.b2 = 0.95
-    cfg.train.grad_clip_norm = 1.0
-    cfg.train.load_balancing_loss_weight = 0.01
-    cfg.train.router_z_loss_weight = 1e-3
-    cfg.train.log_every_steps = 10
-    cfg.train.eval_every_steps = 200
-    cfg.train.eval_batches = 8
-    cfg.train.num_samples = 3  # lines of text sampled at the end of the run
-    cfg.train.peak_flops = 0.0  # MFU denominator in FLOP/s; 0 = measure a matmul at start-up
+def _data() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.tfds_name = ""  # any TFDS text dataset by name (needs internet), e.g. "lm1b"
+    c.text_key = "text"  # feature holding the text in a TFDS dataset
+    c.tfds_train_split = "train"
+    c.tfds_eval_split = ""  # "" = "validation" if the dataset has it, else "test"
+    c.files = ""  # a glob of local text files; "" = the Python standard library's .py files
+    c.array_record_train = ""  # glob of ArrayRecord shards of UTF-8 documents (records)
+    c.array_record_eval = ""  # the evaluation shards (needed with array_record_train)
+    c.data_dir = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
+    c.validation_fraction = 0.02  # local text: share of files (by path hash) held out
+    c.document_bytes = 1 << 20  # local text: longer files are cut into documents near this size
+    c.on_bad_file = "skip"  # local text: "skip" (named in a warning) or "stop"
+    c.seq_len = 256
+    c.shuffle_seed = 0
+    c.shuffle_buffer_tokens = 1 << 20  # packed rows shuffled together; 0 = off
+    c.worker_count = 0  # Grain worker processes; 0 = load in the main process
+    c.prefetch = 2  # batches read ahead by a background thread; 0 = none
+    c.tokenizer_train_bytes = 20_000_000  # text used to train the BPE tokenizer
+    return c
+
+
+def _train() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.num_steps = 1000
+    c.batch_size = 8  # global batch, in sequences
+    c.grad_accum_steps = 1
+    c.learning_rate = 3e-3
+    c.warmup_steps = 100
+    c.min_lr_ratio = 0.1  # cosine decay ends at learning_rate * min_lr_ratio
+    c.weight_decay = 0.1
+    c.b1 = 0.9
+    c.b2 = 0.95
+    c.grad_clip_norm = 1.0
+    c.load_balancing_loss_weight = 0.01
+    c.router_z_loss_weight = 1e-3
+    c.log_every_steps = 10
+    c.eval_every_steps = 200
+    c.eval_batches = 8
+    c.num_samples = 3  # lines of text sampled at the end of the run
+    c.peak_flops = 0.0  # MFU denominator in FLOP/s; 0 = measure a matmul at start-up
     # A step whose loss or gradient norm is not finite stops the run, naming the step and the
     # last good checkpoint; True instead skips that update (params and moments kept) and counts
     # it in the metrics as skipped_updates (docs/reliability.md).
-    cfg.train.skip_nonfinite_updates = False
-    cfg.train.inject_nan_at_step = -1  # fault injection (llm_jax.faults): NaN loss at step N
+    c.skip_nonfinite_updates = False
+    c.inject_nan_at_step = -1  # fault injection (llm_jax.training.faults): NaN loss at step N
     # Fine-tuning (docs/finetuning.md): any directory load_pretrained reads (HF, OpenAI original/,
     # llm_jax, a training workdir). Params and model config come from it; a resumed run restores
     # its own checkpoint instead.
-    cfg.train.init_from = ""
+    c.init_from = ""
+    return c
 
+
+def _sft() -> ml_collections.ConfigDict:
     # SFT data (llm_jax/data/sft.py); used when files or tfds_name is set, else `data` is.
-    cfg.sft = ml_collections.ConfigDict()
-    cfg.sft.files = ""  # glob of JSONL files of {"messages": [...]} or {"prompt", "completion"}
-    cfg.sft.tfds_name = ""  # or a TFDS dataset with such features
-    cfg.sft.tfds_split = "train"
-    cfg.sft.data_dir = ""  # TFDS data_dir; "" = TFDS's default
-    cfg.sft.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
-    cfg.sft.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
+    c = ml_collections.ConfigDict()
+    c.files = ""  # glob of JSONL files of {"messages": [...]} or {"prompt", "completion"}
+    c.tfds_name = ""  # or a TFDS dataset with such features
+    c.tfds_split = "train"
+    c.data_dir = ""  # TFDS data_dir; "" = TFDS's default
+    c.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
+    c.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
+    return c
 
+
+def _lora() -> ml_collections.ConfigDict:
     # LoRA (llm_jax/model/lora.py): rank 0 = full fine-tuning.
-    cfg.lora = ml_collections.ConfigDict()
-    cfg.lora.rank = 0
-    cfg.lora.alpha = 16.0
-    cfg.lora.targets = "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj"
+    c = ml_collections.ConfigDict()
+    c.rank = 0
+    c.alpha = 16.0
+    c.targets = "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj"
+    return c
 
-    # Device mesh (llm_jax.sharding): sizes within a slice / node; one may be -1 (the rest).
+
+def _mesh() -> ml_collections.ConfigDict:
+    # Device mesh (llm_jax.parallel.sharding): sizes within a slice / node; one may be -1 (the rest).
     # dcn_* multiply them across TPU slices or GPU nodes (the data-center network). See
     # docs/scaling.md for how to choose.
-    cfg.mesh = ml_collections.ConfigDict()
-    cfg.mesh.data = -1
-    cfg.mesh.fsdp = 1
-    cfg.mesh.tensor = 1
-    cfg.mesh.expert = 1
-    cfg.mesh.dcn_data = 1
-    cfg.mesh.dcn_fsdp = 1
-    cfg.mesh.dcn_tensor = 1
-    cfg.mesh.dcn_expert = 1
+    c = ml_collections.ConfigDict()
+    c.data = -1
+    c.fsdp = 1
+    c.tensor = 1
+    c.expert = 1
+    c.dcn_data = 1
+    c.dcn_fsdp = 1
+    c.dcn_tensor = 1
+    c.dcn_expert = 1
+    return c
 
-    # Multi-process runs (llm_jax.distributed): "" / -1 = from the environment (JAX_COORDINATOR_
+
+def _distributed() -> ml_collections.ConfigDict:
+    # Multi-process runs (llm_jax.parallel.distributed): "" / -1 = from the environment (JAX_COORDINATOR_
     # ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or TPU VM / SLURM detection); none = 1 process.
-    cfg.distributed = ml_collections.ConfigDict()
-    cfg.distributed.coordinator_address = ""  # host:port of process 0
-    cfg.distributed.num_processes = -1
-    cfg.distributed.process_id = -1
-    cfg.distributed.initialization_timeout = 300  # seconds to wait for every process
+    c = ml_collections.ConfigDict()
+    c.coordinator_address = ""  # host:port of process 0
+    c.num_processes = -1
+    c.process_id = -1
+    c.initialization_timeout = 300  # seconds to wait for every process
+    return c
 
-    cfg.checkpoint = ml_collections.ConfigDict()
-    cfg.checkpoint.every_steps = 250
-    cfg.checkpoint.max_to_keep = 3
-    cfg.checkpoint.async_save = True
+
+def _checkpoint() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.every_steps = 250
+    c.max_to_keep = 3
+    c.async_save = True
     # sha256 of every file of a finished save, hashed in a background thread (about 0.4 GB/s
     # per core here) and checked before a restore; off for checkpoints too big to hash.
-    cfg.checkpoint.checksums = True
+    c.checksums = True
     # A workdir with no restorable checkpoint but steps moved to WORKDIR/corrupt_checkpoints/ is
     # refused rather than trained again from step 0; True starts from scratch there anyway (the
     # moved steps stay where they are). docs/reliability.md.
-    cfg.checkpoint.allow_fresh_start = False
-    cfg.checkpoint.inject_kill_during_save_at_step = -1  # fault injection: kill -9 mid-save
-    return cfg
+    c.allow_fresh_start = False
+    c.inject_kill_during_save_at_step = -1  # fault injection: kill -9 mid-save
+    return c
 
+
+_CHOICES = {  # (section, field): the values allowed
+    ("sft", "on_bad_line"): ON_BAD_LINE,
+    ("data", "on_bad_file"): ON_BAD_FILE,
+}
 
 _MIN = {  # (section, field): smallest allowed value
     ("train", "num_steps"): 0, ("train", "batch_size"): 1, ("train", "grad_accum_steps"): 1,
@@ -161,6 +197,10 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
         if cfg[section][key] < low:
             raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
                              f"expected >= {low}")
+    for (section, key), allowed in _CHOICES.items():
+        if cfg[section][key] not in allowed:
+            raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
+                             f"expected one of {list(allowed)}")
     tc = cfg.train
     if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
         raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "

@@ -3,8 +3,9 @@
 Shapes: B global batch, A accumulation steps, M = B / A microbatch, T seq_len, V vocab,
 L layers, E experts.
 
-`train_step(state, batch) -> (state, metrics)` is a pure function; `jit_train_step` compiles it
-with explicit in/out shardings and a donated state, so the same step runs on one CPU or a mesh.
+`train_step(state, batch) -> (state, metrics)` is a pure function; `compile_steps` compiles it
+(and `eval_step`) with explicit in/out shardings and a donated state, so the same step runs on
+one CPU or a mesh.
 """
 
 from __future__ import annotations
@@ -22,11 +23,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from llm_jax.training import faults
 from llm_jax.config import ModelConfig
 from llm_jax.model import Transformer
-from llm_jax.parallel.sharding import (batch_sharding, check_divisible, logical_axes, replicated,
-                              state_shardings, with_mesh)
+from llm_jax.parallel.sharding import (
+    batch_sharding,
+    check_divisible,
+    logical_axes,
+    replicated,
+    state_shardings,
+    with_mesh,
+)
+from llm_jax.training import faults
 
 # Matrices get weight decay; norms, biases and sinks do not.
 DECAYED = frozenset({"embedding", "unembedding", "q_proj", "k_proj", "v_proj", "o_proj",

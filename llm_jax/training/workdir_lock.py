@@ -28,7 +28,10 @@ import sys
 import time
 from collections.abc import Iterator
 
+import jax
 from absl import logging
+
+from llm_jax.parallel import distributed
 
 LOCK_FILE = "train.lock"
 
@@ -89,10 +92,6 @@ class WorkdirLock:
 def hold_workdir(workdir: str) -> Iterator[None]:
     """The workdir lock for a (possibly multi-process) training run; every process raises
     WorkdirInUse together if process 0 cannot take it."""
-    import jax
-
-    from llm_jax.parallel import distributed
-
     lock = WorkdirLock(workdir)
     error: WorkdirInUse | None = None
     if jax.process_index() == 0:

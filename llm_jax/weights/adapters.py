@@ -15,7 +15,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from llm_jax.model.lora import TARGETS, lora_delta
-from llm_jax.weights.formats import flat_params, model_from_params
+from llm_jax.weights.flat import flat_params, model_from_params
 
 ADAPTERS_WEIGHTS = "adapters.safetensors"
 ADAPTERS_CONFIG = "adapters.json"

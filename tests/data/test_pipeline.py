@@ -103,7 +103,7 @@ def test_rows_are_packed_documents_with_positions_and_segments(cfg, workdir):
 def test_an_epoch_over_two_processes_has_every_document_exactly_once(source, cfg, workdir,
                                                                      corpus_dir, tmp_path):
     vocab = VOCAB
-    if source == "local_text":  # one TFDS shard: the processes split its records evenly
+    if source == "local_text":  # the processes split the documents into contiguous halves
         cfg = DataConfig(files=f"{corpus_dir}/*", validation_fraction=0.2, seq_len=SEQ_LEN)
         workdir, vocab = str(tmp_path), 400
     cfg = dataclasses.replace(cfg, shuffle_buffer_tokens=0)  # rows in document order
@@ -172,6 +172,31 @@ def test_a_changed_pipeline_or_process_count_is_refused_by_name(cfg, workdir, tm
     with pytest.raises(ValueError, match="shuffle_seed: saved 0, now 5"):
         _data(cfg, workdir, shuffle_seed=5).check_checkpoint(str(step_dir))
     _data(cfg, workdir).check_checkpoint(str(tmp_path / "no_such_step"))  # nothing saved
+
+
+def test_local_text_resumes_exactly_and_refuses_a_changed_file_list_by_name(corpus_dir,
+                                                                              tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(corpus_dir, src)
+    cfg = DataConfig(files=f"{src}/*", seq_len=SEQ_LEN, validation_fraction=0.2,
+                     document_bytes=2048, shuffle_buffer_tokens=WINDOW_ROWS * SEQ_LEN)
+    workdir = str(tmp_path / "wd")
+    reference = _take(_data(cfg, workdir, vocab=400).train_iter, 30)
+    it = _data(cfg, workdir, vocab=400).train_iter
+    _take(it, 13)
+    state = json.loads(json.dumps(it.get_state()))
+    fresh = _data(cfg, workdir, vocab=400).train_iter
+    fresh.set_state(state)
+    _assert_same(_take(fresh, 10), reference[13:23])
+    (src / "added.txt").write_text("a file that was not there\n")
+    changed = _data(cfg, workdir, vocab=400).train_iter
+    with pytest.raises(ValueError, match=r"dataset: saved 'local_text/files_\w+', now "
+                                         r"'local_text/files_\w+'"):
+        changed.set_state(state)
+    os.remove(src / "added.txt")  # the same list again: resumes
+    again = _data(cfg, workdir, vocab=400).train_iter
+    again.set_state(state)
+    _assert_same(_take(again, 3), reference[13:16])
 
 
 def test_eval_batches_are_fixed_exact_in_number_and_count_every_byte_once(cfg, workdir):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llm_jax.kernels.flash_attention_gpu import flash_attend
-from llm_jax.model.attention import attend, attention_mask
+from llm_jax.model.attention_math import attend, attention_mask
 from llm_jax.parallel.roofline import triton_kernels_for_cuda
 
 TOL = 1e-5

@@ -9,11 +9,12 @@ import pytest
 
 from llm_jax.config import ModelConfig
 from llm_jax.kernels.gmm_gpu import gmm
-from llm_jax.kernels.grouped_moe import moe_gmm
-from llm_jax.kernels.select import compiling_for
+from llm_jax.model.experts import ExpertWeights
 from llm_jax.model.moe import route
-from llm_jax.model.moe_dispatch import ExpertWeights, moe_ragged
+from llm_jax.model.moe_dispatch import moe_ragged
+from llm_jax.model.moe_parallel import moe_gmm
 from llm_jax.parallel.roofline import triton_kernels_for_cuda
+from llm_jax.runtime.backend import compiling_for
 
 TOL = 1e-5
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llm_jax.kernels.splash_attention import splash_attend
-from llm_jax.model.attention import attend, attention_mask
+from llm_jax.model.attention_math import attend, attention_mask
 
 TOL = 1e-5
 

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.attention import Attention, attend, attention_mask
+from llm_jax.model.attention import ATTENTIONS, Attention, MaskInputs
+from llm_jax.model.attention_math import attend, attention_mask
 
 
 def numpy_attention(q, k, v, sinks, window=0):
@@ -109,3 +110,30 @@ def test_attention_module_shapes_and_window_changes_output():
     assert y_full.shape == (2, 10, 32)
     np.testing.assert_allclose(y_full[:, :3], y_win[:, :3], rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(y_full[:, 5:] - y_win[:, 5:]).max()) > 1e-4
+
+
+@pytest.mark.slow  # splash and flash run in Pallas interpret mode on CPU
+@pytest.mark.parametrize("name", sorted(ATTENTIONS))
+@pytest.mark.parametrize("offset", [0, 3])  # 3: positions are not the index (splash falls back)
+def test_every_attention_in_the_table_computes_the_reference(name, offset):
+    b, t, n, kv, h, window = 1, 128, 2, 1, 64, 5
+    r = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(r.normal(size=(b, t, heads, h)), jnp.float32) for heads in (n, kv, kv))
+    sinks = jnp.asarray(r.normal(size=(n,)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + offset, (b, t))
+    i = np.arange(t)
+    seg = jnp.asarray(np.where(i < 96, np.where(i < 40, 1, 2), 0)[None], jnp.int32)
+    mask = MaskInputs(pos, pos, window, seg, seg)
+    cfg = ModelConfig(num_attention_heads=n, num_key_value_heads=kv, head_dim=h, sliding_window=window)
+    want = attend(q, k, v, sinks, attention_mask(pos, pos, window, seg, seg))
+    got = jax.jit(lambda q, k, v: ATTENTIONS[name](q, k, v, sinks, mask, cfg))(q, k, v)
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-5
+
+
+def test_mask_with_key_segments_only_hides_padding_keys_for_any_query_length():
+    # Decoding: one query over S cache slots, the empty slots marked as segment 0.
+    kv_pos = jnp.asarray([[0, 1, 2, -1, -1]], jnp.int32)
+    m = attention_mask(jnp.asarray([[2]], jnp.int32), kv_pos, 0, None,
+                       (kv_pos >= 0).astype(jnp.int32))
+    assert m.shape == (1, 1, 5)
+    assert np.asarray(m)[0, 0].tolist() == [True, True, True, False, False]

@@ -14,9 +14,14 @@ import numpy as np
 import pytest
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.attention import Attention, attend, attention_mask
-from llm_jax.model.blockwise_attention import (block_visibility, blockwise_attend, use_blockwise,
-                                               visited_pairs)
+from llm_jax.model.attention import Attention
+from llm_jax.model.attention_math import attend, attention_mask
+from llm_jax.model.blockwise_attention import (
+    block_visibility,
+    blockwise_attend,
+    use_blockwise,
+    visited_pairs,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

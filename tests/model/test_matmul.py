@@ -128,7 +128,7 @@ def test_plain_layout(spec, plain):
 def test_bfloat16_on_accelerators_runs_every_product_in_bfloat16(platform):
     """Off CPU every product of the forward and backward is bfloat16 x bfloat16 -> float32,
     whatever the layout: never a float32 matmul from an upcast cotangent."""
-    from llm_jax.kernels.select import compiling_for
+    from llm_jax.runtime.backend import compiling_for
 
     for spec, shape_a, shape_b in SPECS:
         a, b = _inputs(shape_a, shape_b, jnp.bfloat16)

@@ -10,10 +10,16 @@ import pytest
 from flax import nnx
 
 from llm_jax.config import MOE_DISPATCHES, ModelConfig
+from llm_jax.model.experts import ExpertWeights, Routing, swiglu
 from llm_jax.model.moe import MoE, route, router_aux
-from llm_jax.model.moe_dispatch import (DISPATCHES, ExpertWeights, Routing, auto_dispatch,
-                                        capacity, moe_capacity, moe_dense, select_dispatch,
-                                        swiglu)
+from llm_jax.model.moe_dispatch import (
+    DISPATCHES,
+    capacity,
+    moe_capacity,
+    moe_dense,
+    select_dispatch,
+)
+from llm_jax.model.select import auto_moe
 
 CFG = ModelConfig(hidden_size=32, intermediate_size=24, num_experts=8, experts_per_token=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -147,10 +153,10 @@ def test_dropping_dispatches_run_only_in_training_and_the_rest_is_exact():
         is DISPATCHES["dense"].fn
 
 
-def test_auto_dispatch_gathers_for_few_tokens_and_is_dropless_for_many():
-    assert auto_dispatch(CFG, 4) == "gather"  # T k = 8 <= E = 8: read only the chosen experts
-    assert auto_dispatch(CFG, 5) == ("blocked" if jax.default_backend() == "cpu" else "ragged")
-    assert not any(DISPATCHES[auto_dispatch(CFG, t)].drops for t in (1, 5, 1000))
+def test_auto_moe_gathers_for_few_tokens_and_is_dropless_for_many():
+    assert auto_moe(CFG, 4) == "gather"  # T k = 8 <= E = 8: read only the chosen experts
+    assert auto_moe(CFG, 5) == ("blocked" if jax.default_backend() == "cpu" else "ragged")
+    assert not any(DISPATCHES[auto_moe(CFG, t)].drops for t in (1, 5, 1000))
     assert sorted([*DISPATCHES, "auto"]) == sorted(MOE_DISPATCHES)  # the config's names
 
 

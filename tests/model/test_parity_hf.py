@@ -27,9 +27,9 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
-from llm_jax.weights.formats import (  # noqa: E402
-    dequantize_mxfp4, hf_config_to_model_config, model_config_to_hf_config, save_hf,
-)
+from llm_jax.weights.configs import hf_config_to_model_config, model_config_to_hf_config  # noqa: E402
+from llm_jax.weights.mxfp4 import dequantize_mxfp4  # noqa: E402
+from llm_jax.weights.writers import save_hf  # noqa: E402
 
 TOL = 1e-4
 LIMIT = 7.0

@@ -27,16 +27,16 @@ tokenizers = pytest.importorskip("tokenizers")
 from flax import nnx  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
-from llm_jax.export import export  # noqa: E402
 from llm_jax.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from llm_jax.data.sft import make_sft_data, tokenize_conversation  # noqa: E402
+from llm_jax.export import export  # noqa: E402
 from llm_jax.model.lora import LoRAParam, add_lora  # noqa: E402
-from llm_jax.training.loop import train  # noqa: E402
 from llm_jax.training.finetune import restore_finetuned  # noqa: E402
+from llm_jax.training.loop import train  # noqa: E402
 from llm_jax.training.metrics import read_metrics  # noqa: E402
 from llm_jax.training.step import eval_step, loss_fn, target_mask  # noqa: E402
 from llm_jax.weights.adapters import merge_lora, save_adapters  # noqa: E402
-from llm_jax.weights.formats import save_hf  # noqa: E402
+from llm_jax.weights.writers import save_hf  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SPECIAL = ["<|start|>", "<|message|>", "<|end|>"]

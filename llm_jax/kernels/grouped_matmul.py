@@ -1,0 +1,55 @@
+"""A grouped matmul by a Pallas kernel, behind `lax.ragged_dot`'s signature: megablox `gmm` on
+TPU, the Pallas-Triton `gmm_gpu` on GPU. Arrays in, arrays out: the MoE dispatches that use it
+(`gmm`, `expert_parallel_gmm`) sort, combine and shard in model/moe_parallel.py.
+
+Shapes: M rows (sorted by group), K in, N out, E groups; `sizes_E` rows per group, in order.
+
+Both kernels carry a custom VJP (d lhs by the kernel against the rhs transposed, d rhs by a
+transposed grouped matmul), so training runs kernels both ways. megablox rows fill whole tiles:
+the rows are followed by zero rows counted into the last group, whose outputs are dropped (zero
+rows, zero cotangents: no effect on values or gradients).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+from llm_jax.kernels import gmm_gpu
+
+ROW_TILE = 512
+LANES = 128
+
+
+def tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(tm, tk, tn): 512 rows (m is padded to it, or to 128 when smaller), k and n tiles of up
+    to 1024 lanes (a last partial tile is masked by the kernel)."""
+    tm = ROW_TILE if m >= ROW_TILE else LANES
+    lanes = lambda x: min(1024, -(-x // LANES) * LANES)  # noqa: E731
+    return tm, lanes(k), lanes(n)
+
+
+KERNELS = ("megablox", "triton")
+
+
+def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, kernel: str,
+                   interpret: bool = False) -> jax.Array:
+    """`lax.ragged_dot(x, w, sizes)` by a kernel (rows past sum(sizes) are zero).
+
+    megablox wants whole row tiles whose rows all belong to groups: the rows are zero-padded to
+    the tile and the padding counted into the last group, then dropped."""
+    if kernel == "triton":
+        return gmm_gpu.gmm(x_MK, w_EKN, sizes_E, interpret=interpret)
+    if kernel != "megablox":
+        raise ValueError(f"grouped_matmul: kernel={kernel!r}, expected one of {KERNELS}")
+    m, k = x_MK.shape
+    tile = tiling(m, k, w_EKN.shape[2])
+    mp = -(-m // tile[0]) * tile[0]
+    sizes_E = sizes_E.astype(jnp.int32)
+    total = jnp.sum(sizes_E)
+    rows = jnp.arange(m)[:, None]
+    x_MK = jnp.pad(jnp.where(rows < total, x_MK, 0), ((0, mp - m), (0, 0)))
+    y = gmm(x_MK, w_EKN, sizes_E.at[-1].add(mp - total), x_MK.dtype, tile, None, None, False,
+            interpret)
+    return jnp.where(rows < total, y[:m], 0)

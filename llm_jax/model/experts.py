@@ -1,0 +1,97 @@
+"""What every MoE dispatch shares: the router's outputs, the experts' weights, the clamped SwiGLU
+between their two matmuls, and the one sort of assignments by expert and the weighted combine
+back to tokens. A leaf of model/: the dispatches (`moe_dispatch.py`, `moe_parallel.py`) import it,
+and the kernels (`kernels/`) see only the arrays.
+
+Shapes: T tokens, D hidden, E experts, k experts per token, F intermediate, A = T k assignments
+in (token, choice) order: assignment a is token a // k's choice a % k.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from llm_jax.config import SWIGLU_ALPHA
+from llm_jax.model.matmul import einsum
+
+
+class Routing(NamedTuple):
+    """Router outputs for T tokens."""
+
+    logits_TE: jax.Array  # float32 router logits
+    experts_Tk: jax.Array  # int32 chosen expert ids, best first
+    weights_Tk: jax.Array  # float32 softmax over the chosen logits
+
+
+class ExpertWeights(NamedTuple):
+    gate_up_EDF2: jax.Array
+    gate_up_bias_EF2: jax.Array
+    down_EFD: jax.Array
+    down_bias_ED: jax.Array
+
+
+def _clamped(h: jax.Array, limit: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(glu input, linear input, clamped glu, clamped linear), in float32."""
+    hf = h.astype(jnp.float32)
+    glu_in, lin_in = hf[..., 0::2], hf[..., 1::2]
+    return glu_in, lin_in, jnp.minimum(glu_in, limit), jnp.clip(lin_in, -limit, limit)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def swiglu(h: jax.Array, limit: float) -> jax.Array:
+    """gpt-oss clamped SwiGLU on interleaved [..., 2F] pre-activations -> [..., F] in h's dtype:
+    `glu * sigmoid(1.702 glu) * (lin + 1)`, glu = min(h[0::2], limit), lin = clip(h[1::2]).
+
+    Computed in float32, as the norms and RoPE are (one rounding for bfloat16). The gradient is
+    written out: JAX's own scatters the two strided halves back with two pads and an add, which
+    XLA:CPU ran ~6x slower than this one interleaving stack in a microbenchmark (in the whole
+    step the difference is within the noise: docs/benchmarks.md). The clamps pass the gradient
+    where the input is within them, bounds included, as torch's clamp does."""
+    _, _, glu, lin = _clamped(h, limit)
+    return (glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)).astype(h.dtype)
+
+
+def _swiglu_fwd(h, limit):
+    return swiglu(h, limit), h
+
+
+def _swiglu_bwd(limit, h, g):
+    glu_in, lin_in, glu, lin = _clamped(h, limit)
+    g = g.astype(jnp.float32)
+    sig = jax.nn.sigmoid(SWIGLU_ALPHA * glu)
+    dglu = g * (lin + 1.0) * sig * (1.0 + SWIGLU_ALPHA * glu * (1.0 - sig)) * (glu_in <= limit)
+    dlin = g * glu * sig * (jnp.abs(lin_in) <= limit)
+    return (jnp.stack([dglu, dlin], axis=-1).reshape(h.shape).astype(h.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+class Sorted(NamedTuple):
+    """Assignments sorted by expert (stable: token order within an expert)."""
+
+    order_A: jax.Array  # int32 position in (token, choice) order of each sorted assignment
+    experts_A: jax.Array  # int32 expert of each sorted assignment
+    group_sizes_E: jax.Array  # int32 assignments per expert
+
+
+def sort_by_expert(experts_Tk: jax.Array, num_experts: int) -> Sorted:
+    """The expert-major order of the T k assignments, and each expert's group size."""
+    experts_A = experts_Tk.reshape(-1)
+    order_A = jnp.argsort(experts_A, stable=True)
+    return Sorted(order_A, experts_A[order_A],
+                  jnp.bincount(experts_A, length=num_experts).astype(jnp.int32))
+
+
+def unsort(y_AD: jax.Array, order_A: jax.Array) -> jax.Array:
+    """Rows in sorted order back to (token, choice) order."""
+    return jnp.zeros_like(y_AD).at[order_A].set(y_AD)
+
+
+def combine(y_TkD: jax.Array, weights_Tk: jax.Array) -> jax.Array:
+    """`y_t = sum_k w_tk y_tk`: each token's expert outputs weighted by its router weights."""
+    return einsum("TkD,Tk->TD", y_TkD, weights_Tk.astype(y_TkD.dtype))

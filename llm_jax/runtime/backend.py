@@ -1,0 +1,34 @@
+"""Which platform the program being traced will run on: the one question about the hardware that
+the model and the kernels ask (`backend()`), and the way ahead-of-time compilation for other
+hardware answers it (`compiling_for`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+
+# The platform being traced for, set only inside `compiling_for` (ahead-of-time compilation for
+# other hardware); a context variable, so concurrent threads tracing for different targets
+# do not see each other's.
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_jax_target",
+                                                                     default=None)
+
+
+def backend() -> str:
+    """The platform the program being traced will run on: `jax.default_backend()`, or the
+    target of an enclosing `compiling_for` (a TPU topology compiled from a CPU host)."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+    """Trace for `platform` ('tpu', 'gpu', 'cpu'): `auto` picks that backend's kernels."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)

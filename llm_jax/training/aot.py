@@ -1,0 +1,151 @@
+"""Compile the real train step ahead of time for hardware that is not here, and price its memory
+(the command line is `python -m llm_jax.compile`, llm_jax/compile.py).
+
+`tpu_devices` are libtpu's compile-only description of a TPU slice (pip install
+"llm_jax[tpu]"; no TPU needed); or any devices, such as N simulated CPU devices. The step is
+lowered with abstract inputs (ShapeDtypeStructs carrying the shardings of `compile_steps`), so
+nothing is allocated, and `compiled.memory_analysis()` gives per-chip bytes: arguments (params,
+optimizer state, batch), outputs, temporaries; the state is donated, so outputs alias it. Next
+to it, the arithmetic estimate of `costs.memory_per_device`.
+
+`compile_generate` does the same for the generation program (`llm_jax.sample` with a mesh), from
+Python.
+
+Topology names: `v5p-N`, `v4-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N` count chips
+(Cloud TPU accelerator types); or libtpu's own `v5p:2x2x4`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+
+from llm_jax.inference.loop import generate_jit
+from llm_jax.inference.sampler import program_inputs
+from llm_jax.model import abstract_model, costs
+from llm_jax.model.select import kernels_line
+from llm_jax.parallel import roofline
+from llm_jax.parallel.sharding import MESH_AXES, make_mesh
+from llm_jax.runtime.backend import compiling_for
+from llm_jax.training.run_config import model_config
+from llm_jax.training.step import compile_steps
+
+# Per-chip HBM (bytes), by jax device_kind. Cloud TPU specs: v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
+# v6e 32 GiB.
+HBM_BYTES = {"TPU v4": 32 * 2**30, "TPU v5 lite": 16 * 2**30, "TPU v5": 95 * 2**30,
+             "TPU v6 lite": 32 * 2**30}
+
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8"}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+              256: "16x16"}
+_GENERATIONS = {"v4": (2, _SHAPES_3D), "v5p": (2, _SHAPES_3D), "v5e": (1, _SHAPES_2D),
+                "v6e": (1, _SHAPES_2D)}
+
+
+def topology_name(name: str) -> str:
+    """'v5p-32' -> 'v5p:2x2x4' (libtpu's name); names with ':' pass through."""
+    if ":" in name:
+        return name
+    gen, _, count = name.partition("-")
+    if gen not in _GENERATIONS or not count.isdigit():
+        raise ValueError(f"--topology={name!r} is invalid: expected GEN-N with GEN in "
+                         f"{sorted(_GENERATIONS)} (e.g. v5p-32, v6e-16) or a libtpu name like "
+                         f"v5p:2x2x4")
+    per_chip, shapes = _GENERATIONS[gen]
+    chips = int(count) // per_chip
+    if int(count) % per_chip or chips not in shapes:
+        raise ValueError(f"--topology={name!r}: {count} is not a {gen} slice size; known sizes "
+                         f"are {[c * per_chip for c in shapes]}")
+    return f"{gen}:{shapes[chips]}"
+
+
+def tpu_devices(name: str, num_slices: int = 1) -> list[Any]:
+    """Compile-only devices of a TPU topology (needs libtpu, not a TPU)."""
+    # Compile-only use: let several processes (parallel tests, two compiles) load libtpu.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    try:
+        return list(topologies.get_topology_desc(topology_name=topology_name(name),
+                                                 platform="tpu", **kwargs).devices)
+    except (RuntimeError, ImportError) as e:  # no libtpu
+        raise RuntimeError(f"cannot describe TPU topology {name!r}: {e}; install libtpu with "
+                           f"pip install 'llm_jax[tpu]'") from e
+
+
+def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
+                       mesh: dict[str, int] | None = None, dcn: dict[str, int] | None = None,
+                       batch: int | None = None, seq_len: int | None = None) -> dict[str, Any]:
+    """Lowers and compiles the train step for `devices`; returns memory and timing facts."""
+    cfg = model_config(run_cfg)
+    tc = ml_collections.ConfigDict(run_cfg.train.to_dict())
+    if batch is not None:
+        tc.batch_size = batch
+    seq_len = run_cfg.data.seq_len if seq_len is None else seq_len
+    if mesh is None:  # the config's mesh section
+        mesh = {a: run_cfg.mesh[a] for a in MESH_AXES}
+        dcn = dcn or {a: run_cfg.mesh[f"dcn_{a}"] for a in MESH_AXES}
+    m = make_mesh(mesh, devices, dcn_sizes=dcn if dcn and any(v > 1 for v in dcn.values())
+                  else None)
+    t0 = time.perf_counter()
+    steps = compile_steps(cfg, tc, m, run_cfg.seed)
+    tokens = jax.ShapeDtypeStruct((tc.batch_size, seq_len), jnp.int32,
+                                  sharding=steps.batch_sharding)
+    platform = getattr(devices[0], "platform", "tpu")
+    with compiling_for(platform):  # `auto` picks the target's kernels, not the host's
+        lowered = steps.train.lower(steps.abstract_state, {"inputs": tokens, "targets": tokens})
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    ma = compiled.memory_analysis()
+    args, out, alias = ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes
+    temp, code = ma.temp_size_in_bytes, ma.generated_code_size_in_bytes
+    total = args + out - alias + temp + code
+    kind = devices[0].device_kind
+    hbm = HBM_BYTES.get(kind)
+    sizes = dict(m.shape)
+    estimate = costs.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes)
+    kernels = roofline.kernels_in(compiled.as_text())
+    step_cost = roofline.cost(compiled)
+    model_flops = costs.flops_per_token(cfg, seq_len, training=True) * tc.batch_size * seq_len
+    bound = roofline.roofline(kind, step_cost["flops"], step_cost["bytes"],
+                              model_flops / len(devices))
+    return {
+        "name": run_cfg.get("name", ""), "device_kind": kind, "devices": len(devices),
+        "mesh": sizes, "batch": tc.batch_size, "seq_len": seq_len,
+        "moe_dispatch": cfg.moe_dispatch, "remat": cfg.remat,
+        "selected": kernels_line(cfg, tc.batch_size, seq_len, platform),
+        "kernels": kernels, "kernel_families": roofline.kernel_families(kernels),
+        "cost": step_cost, "model_flops_per_chip": model_flops / len(devices),
+        "roofline": bound,
+        "lower_seconds": t1 - t0, "compile_seconds": t2 - t1,
+        "bytes": {"arguments": args, "outputs": out, "aliased": alias, "temp": temp,
+                  "code": code, "total": total,
+                  "peak": getattr(ma, "peak_memory_in_bytes", 0)},
+        "hbm_bytes": hbm, "fits": None if hbm is None else total <= hbm,
+        "estimate": {k: estimate[k] for k in ("params", "grads", "adam_m_v", "activations",
+                                              "total")},
+    }
+
+
+def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int) -> Any:
+    """The compiled program of `llm_jax.sample(model, prompts, mesh=mesh)` for `cfg` (greedy,
+    `batch` prompts of `prompt_len`, `new_tokens` new), lowered with abstract, replicated
+    weights on `mesh`'s devices, for their platform: does sharded generation compile there?"""
+    plan, args = program_inputs(cfg, [[0] * prompt_len] * batch, new_tokens, 0.0, 0, 1.0, 0,
+                                None, False, max_len=None, cache_dtype=None, mesh=mesh)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    rep = NamedSharding(mesh, PartitionSpec())
+    state, args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                               (state, args))
+    with compiling_for(mesh.devices.flat[0].platform):
+        lowered = generate_jit.lower(graphdef, state, *args, plan=plan)
+    return lowered.compile()

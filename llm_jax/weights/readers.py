@@ -1,0 +1,361 @@
+"""Reading model checkpoints: training workdirs, llm_jax, Hugging Face gpt-oss and OpenAI gpt-oss.
+
+`load_pretrained(path)` detects the format of a directory and returns a `Transformer` with its
+config attached (`model.cfg`):
+- llm_jax: `config.json` ({"format": "llm_jax", "model": ModelConfig}) + `params.safetensors`
+  holding the flattened param tree ("layers.attn.q_proj", ...; layer weights stacked on axis 0).
+- Hugging Face: `config.json` (GptOssConfig) + `model.safetensors` or a sharded
+  `model.safetensors.index.json`; MoE weights plain or MXFP4 (`*_blocks` / `*_scales`).
+- OpenAI: `config.json` in the reference's naming (the same names as ModelConfig) + `*.safetensors`
+  with `block.N.*` names, fused qkv, MoE weights (E, out, in), plain or MXFP4
+  (`*.blocks` / `*.scales`).
+  A directory holding only an `original/` subdirectory is read from there.
+Layouts and names: layouts.py and docs/model.md, "Checkpoints"; writing: writers.py. Only
+safetensors are read; pickles are refused. Weights are filled into an abstract model
+(`nnx.eval_shape`), so nothing is randomly initialised.
+
+Hostile files (docs/reliability.md): every safetensors header is validated field by field before
+any tensor is read (llm_jax.weights.safetensors_header), config.json fields are checked for type and
+range by name, and the shapes the config implies are compared with the headers before anything
+sized by the config is built or allocated. Every problem is a ValueError naming the file, the
+tensor or field, and what was expected; the tensors themselves are read by `safetensors`.
+
+Shapes: L layers, V vocab, D hidden, N q heads, K kv heads, H head_dim, E experts, F intermediate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from llm_jax.config import ModelConfig
+from llm_jax.weights.checkpointing import Checkpointer, find_training_checkpoint, restore_params
+from llm_jax.weights.configs import (
+    ARCH_FIELDS,
+    HF_NAMES,
+    OVERRIDABLE_FIELDS,
+    hf_config_to_model_config,
+    model_config_from_fields,
+    openai_config_to_model_config,
+)
+from llm_jax.weights.flat import abstract_targets, model_from_params
+from llm_jax.weights.json_fields import Fields, read_json_object
+from llm_jax.weights.layouts import (
+    HF_INDEX,
+    HF_WEIGHTS,
+    LLM_JAX_CONFIG,
+    LLM_JAX_PARAMS,
+    Layout,
+    TensorSpec,
+    hf_specs,
+    openai_specs,
+    packed_shapes,
+)
+from llm_jax.weights.mxfp4 import dequantize_mxfp4
+from llm_jax.weights.safetensors_header import FLOAT_DTYPES
+from llm_jax.weights.tensor_store import TensorStore
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _fields_of(shape: tuple[int, ...], expected: tuple[int, ...], cfg: ModelConfig,
+               names: Mapping[str, str]) -> str:
+    """Which config fields the mismatching dims of `expected` come from, for the error."""
+    out = []
+    for axis, (got, want) in enumerate(itertools.zip_longest(shape, expected)):
+        if got != want and want is not None:
+            fields = [names.get(k, k) for k in ARCH_FIELDS if getattr(cfg, k) == want]
+            out.append(f"axis {axis} = {' or '.join(fields) or 'a product of fields'} = {want}")
+    return f" ({'; '.join(out)})" if out else ""
+
+
+def _check_tensor(store: TensorStore, name: str, shape: tuple[int, ...], packed: bool,
+                  source: Path, cfg: ModelConfig, names: Mapping[str, str]) -> None:
+    """The header of tensor `name` against the shape `source` implies; dtype float, or uint8
+    for MXFP4 blocks and scales (`packed`)."""
+    info = store.info(name)
+    if info.shape != shape:
+        raise ValueError(f"tensor {name!r} in {info.file} has shape {info.shape}, expected "
+                         f"{shape} from {source}{_fields_of(info.shape, shape, cfg, names)}: is "
+                         "the config that of these weights?")
+    if (info.dtype == np.uint8) if packed else (info.dtype in FLOAT_DTYPES):
+        return
+    raise ValueError(f"tensor {name!r} in {info.file} has dtype {info.dtype}, expected "
+                     f"{'uint8 (MXFP4)' if packed else 'a floating-point dtype'}")
+
+
+def _check_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
+                 source: Path, names: Mapping[str, str]) -> None:
+    """Every tensor the config at `source` implies, by name, shape and dtype, against the
+    headers, and none left over: before anything sized by the config is built or allocated.
+    Layer by layer, so a layer count beyond the weights fails at the first missing layer."""
+    top, layer = specs
+    used: set[str] = set()
+
+    def check(spec: TensorSpec, name: str, n: int | None) -> None:
+        if name in store:
+            _check_tensor(store, name, spec.src_shape, False, source, cfg, names)
+            used.add(name)
+        elif spec.mxfp4 is not None and name + spec.mxfp4[0] in store:
+            for suffix, shape in zip(spec.mxfp4, packed_shapes(spec)):
+                if name + suffix not in store:
+                    raise ValueError(f"checkpoint has {name + spec.mxfp4[0]!r} but not its "
+                                     f"{name + suffix!r} (MXFP4 comes as blocks and scales)")
+                _check_tensor(store, name + suffix, shape, True, source, cfg, names)
+                used.add(name + suffix)
+        else:
+            layers = f" (layer {n} of num_hidden_layers={cfg.num_hidden_layers})" if n else ""
+            where = ", ".join(str(f) for f in store.files)
+            raise ValueError(f"checkpoint is missing tensor {name!r}, which {source} implies"
+                             f"{layers} (looked in {where})")
+
+    for spec in top:
+        check(spec, spec.src, None)
+    for n in range(cfg.num_hidden_layers):
+        for spec in layer:
+            check(spec, spec.src.format(n=n), n)
+    unused = sorted(set(store.names()) - used)
+    if unused:
+        raise ValueError(f"checkpoint has {len(unused)} tensor(s) that {source} does not "
+                         f"imply, e.g. {unused[:5]} (is the config that of these weights?)")
+
+
+def _read_spec(store: TensorStore, spec: TensorSpec, name: str, out: np.ndarray) -> None:
+    """Fills `out` (our layout, target dtype) from checkpoint tensor `name` (checked by
+    `_check_specs`), dequantizing MXFP4 one expert at a time to bound the float32 temporary."""
+    if name in store:
+        out[...] = spec.to_ours(store.get(name)).astype(out.dtype)
+        return
+    blocks, scales = (store.get(name + s) for s in spec.mxfp4)
+    for i in range(out.shape[0]):  # packed (E, out, in) -> ours (E, in, out)
+        out[i] = dequantize_mxfp4(blocks[i], scales[i]).T.astype(out.dtype)
+
+
+def _read_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
+                targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
+    """The params in our layout from tensors that `_check_specs` has passed."""
+    top, layer = specs
+    params: dict[str, np.ndarray] = {}
+    for spec in top:
+        t = targets[spec.key]
+        params[spec.key] = np.empty(t.shape, t.dtype)
+        _read_spec(store, spec, spec.src, params[spec.key])
+    for spec in layer:
+        t = targets[f"layers.{spec.key}"]
+        out = params[f"layers.{spec.key}"] = np.empty(t.shape, t.dtype)
+        for n in range(cfg.num_hidden_layers):
+            _read_spec(store, spec, spec.src.format(n=n), out[n])
+    return params
+
+
+def _is_llm_jax(root: Path) -> bool:
+    cfg = root / LLM_JAX_CONFIG
+    return cfg.is_file() and (root / LLM_JAX_PARAMS).is_file() and "model" in read_json_object(cfg)
+
+
+def _is_hf(root: Path) -> bool:
+    cfg = root / "config.json"
+    if not cfg.is_file() or not ((root / HF_WEIGHTS).is_file() or (root / HF_INDEX).is_file()):
+        return False
+    d = read_json_object(cfg)  # any HF model type; hf_config_to_model_config refuses others
+    return "model_type" in d or "num_local_experts" in d
+
+
+def _is_openai(root: Path) -> bool:
+    cfg = root / "config.json"
+    if not cfg.is_file() or not any(root.glob("*.safetensors")):
+        return False
+    d = read_json_object(cfg)
+    return "experts_per_token" in d and "num_experts" in d
+
+
+def detect_format(path: str | Path) -> tuple[str, Path]:
+    """(format, directory to read) for a checkpoint directory; ValueError if it holds none."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"checkpoint path {root} is not a directory")
+    if find_training_checkpoint(str(root)) is not None:  # a training workdir (Orbax)
+        return "orbax", root
+    for fmt, test in (("llm_jax", _is_llm_jax), ("hf", _is_hf), ("openai", _is_openai)):
+        if test(root):
+            return fmt, root
+    if (root / "original").is_dir() and _is_openai(root / "original"):
+        return "openai", root / "original"
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles and not any(root.glob("*.safetensors")):
+        raise ValueError(
+            f"{root} holds only pickled weights {pickles}; llm_jax never unpickles (it can run "
+            f"code). Convert them to safetensors first "
+            f"(e.g. save_pretrained(safe_serialization=True))"
+        )
+    raise ValueError(
+        f"{root} is no checkpoint llm_jax can read; expected one of: "
+        f"llm_jax ({LLM_JAX_CONFIG} with a 'model' key + {LLM_JAX_PARAMS}); "
+        f"Hugging Face gpt-oss (config.json with model_type 'gpt_oss' + {HF_WEIGHTS} "
+        f"or {HF_INDEX}); "
+        f"OpenAI gpt-oss (config.json with num_experts/experts_per_token + *.safetensors, "
+        f"possibly under original/). Found: {sorted(p.name for p in root.iterdir())}"
+    )
+
+
+def _shard_names(index: Path) -> dict[str, str]:
+    """{tensor: shard file name} of a sharded Hugging Face checkpoint's index, checked."""
+    weight_map = Fields(read_json_object(index), str(index)).obj("weight_map")
+    if weight_map is None:
+        raise ValueError(f"{index} has no 'weight_map' (expected an object: tensor -> shard)")
+    for tensor, shard in weight_map.d.items():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors")
+                and Path(shard).name == shard and not shard.startswith(".")):
+            raise ValueError(f"{index}: weight_map[{tensor!r}] = {shard!r} is invalid: expected "
+                             "the file name of a .safetensors shard in the same directory")
+    return weight_map.d
+
+
+def _hf_store(root: Path) -> TensorStore:
+    if not (root / HF_INDEX).is_file():
+        return TensorStore([root / HF_WEIGHTS])
+    index = root / HF_INDEX
+    weight_map = _shard_names(index)
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        raise ValueError(f"{index} names shard(s) {missing} that are not in {root}")
+    store = TensorStore(root / f for f in files)
+    for tensor in sorted(set(weight_map) | set(store.names())):
+        actual = store.info(tensor).file.name if tensor in store else None
+        if actual != weight_map.get(tensor):
+            raise ValueError(f"{index} puts tensor {tensor!r} in {weight_map.get(tensor)}, but "
+                             f"{actual or 'none of the shards it names'} holds it: the index "
+                             "does not match the shards' headers")
+    return store
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How to read one checkpoint format: its config; a check of the weight files' headers
+    against it, before anything sized by the config is built; its tensors in our layout."""
+
+    config: Callable[[Path], ModelConfig]
+    check: Callable[[Path, ModelConfig], None]
+    params: Callable[[Path, ModelConfig, Mapping[str, jax.ShapeDtypeStruct]], dict[str, np.ndarray]]
+
+
+def _llm_jax_config(root: Path) -> ModelConfig:
+    path = root / LLM_JAX_CONFIG
+    model = Fields(read_json_object(path), str(path)).obj("model")
+    if model is None:
+        raise ValueError(f"{path} has no 'model' object (the ModelConfig)")
+    return model_config_from_fields(model, model.d)
+
+
+def _llm_jax_check(root: Path, cfg: ModelConfig) -> None:
+    store = TensorStore([root / LLM_JAX_PARAMS])
+    stacked = {store.shape(k)[0] for k in store.names() if k.startswith("layers.")
+               and store.shape(k)}
+    if stacked and cfg.num_hidden_layers not in stacked:  # the model is built from cfg next
+        raise ValueError(f"{root / LLM_JAX_CONFIG}: num_hidden_layers={cfg.num_hidden_layers}, "
+                         f"but the stacked layer tensors in {store.files[0]} hold "
+                         f"{sorted(stacked)} layers")
+
+
+def _llm_jax_params(root: Path, cfg: ModelConfig,
+                    targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
+    store = TensorStore([root / LLM_JAX_PARAMS])
+    unused = sorted(set(store.names()) - set(targets))
+    if unused:
+        raise ValueError(
+            f"{root / LLM_JAX_PARAMS} has tensor(s) the model does not have: {unused[:5]}")
+    missing = sorted(set(targets) - set(store.names()))
+    if missing:
+        raise ValueError(f"{root / LLM_JAX_PARAMS} is missing tensor(s) {missing[:5]}, which "
+                         f"{root / LLM_JAX_CONFIG} implies")
+    for k, t in targets.items():  # every shape before the first read
+        _check_tensor(store, k, tuple(t.shape), False, root / LLM_JAX_CONFIG, cfg, {})
+    return {k: np.asarray(store.get(k)).astype(t.dtype) for k, t in targets.items()}
+
+
+def _openai_config(root: Path) -> ModelConfig:
+    path = root / "config.json"
+    cfg = openai_config_to_model_config(read_json_object(path), str(path))
+    store = _openai_store(root)
+    if "embedding.weight" in store:  # OpenAI's config.json has no dtype; take the weights'
+        dt = store.info("embedding.weight").dtype
+        name = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
+                np.dtype(np.float16): "float16"}.get(dt)
+        if name:
+            cfg = cfg.replace(dtype=name, param_dtype=name)
+    return cfg
+
+
+def _orbax_config(root: Path) -> ModelConfig:
+    workdir, step = find_training_checkpoint(str(root))
+    ckpt = Checkpointer(workdir, create=False, async_save=False)
+    try:
+        return ModelConfig.from_dict(ckpt.restore_config(step)["model"])
+    finally:
+        ckpt.close()
+
+
+def _orbax_params(root: Path, cfg: ModelConfig,
+                  targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
+    workdir, step = find_training_checkpoint(str(root))
+    _, params, _ = restore_params(workdir, step)
+    flat = {".".join(str(p) for p in path): np.asarray(v.get_value())
+            for path, v in nnx.to_flat_state(params)}
+    return {k: flat[k].astype(t.dtype) for k, t in targets.items() if k in flat}
+
+
+def _openai_store(root: Path) -> TensorStore:
+    return TensorStore(sorted(root.glob("*.safetensors")))
+
+
+FORMATS: dict[str, Format] = {
+    "orbax": Format(_orbax_config, lambda root, cfg: None, _orbax_params),
+    "llm_jax": Format(_llm_jax_config, _llm_jax_check, _llm_jax_params),
+    "hf": Format(
+        lambda root: hf_config_to_model_config(read_json_object(root / "config.json"),
+                                               str(root / "config.json")),
+        lambda root, cfg: _check_specs(_hf_store(root), hf_specs(cfg), cfg,
+                                       root / "config.json", HF_NAMES),
+        lambda root, cfg, t: _read_specs(_hf_store(root), hf_specs(cfg), cfg, t)),
+    "openai": Format(
+        _openai_config,
+        lambda root, cfg: _check_specs(_openai_store(root), openai_specs(cfg), cfg,
+                                       root / "config.json", {}),
+        lambda root, cfg, t: _read_specs(_openai_store(root), openai_specs(cfg), cfg, t)),
+}
+
+
+def _apply_overrides(cfg: ModelConfig, dtype: str | None,
+                     overrides: Mapping[str, Any]) -> ModelConfig:
+    bad = sorted(set(overrides) - set(OVERRIDABLE_FIELDS))
+    if bad:
+        raise ValueError(f"load_pretrained cannot override {bad}: only {OVERRIDABLE_FIELDS} "
+                         f"(the rest is fixed by the checkpoint)")
+    if dtype is not None:
+        name = jnp.dtype(dtype).name
+        cfg = cfg.replace(dtype=name, param_dtype=name)
+    return cfg.replace(**overrides)
+
+
+def load_pretrained(path: str | Path, *, dtype: str | None = None, **overrides: Any) -> nnx.Module:
+    """Loads an llm_jax, Hugging Face or OpenAI gpt-oss checkpoint directory as a Transformer.
+
+    `dtype` sets both the weights' and the compute dtype (default: the checkpoint's); `overrides`
+    may set the implementation fields OVERRIDABLE_FIELDS (e.g. moe_dispatch="dense").
+    """
+    fmt, root = detect_format(path)
+    reader = FORMATS[fmt]
+    cfg = _apply_overrides(reader.config(root), dtype, overrides)
+    reader.check(root, cfg)  # the headers against the config, before a model is built from it
+    abstract = abstract_targets(cfg)
+    return model_from_params(cfg, reader.params(root, cfg, abstract[1]), abstract)

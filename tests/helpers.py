@@ -1,0 +1,147 @@
+"""What several test files share, in one module: the suite's small model and run config, the
+command-line overrides that give the same run, readers of a run's checkpoints and metrics, the
+sharding tests' tiny model, batches and XLA flags, and a tiny checkpoint with a tokenizer and a
+chat template for the serving, evaluation and chat tests. Test files import this module (tests/ is
+on sys.path: conftest.py lives there; a test run as a script puts it there itself), never each
+other."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+import tokenizers
+
+from llm_jax.config import ModelConfig
+from llm_jax.model import init_model
+from llm_jax.training.run_config import default_run_config
+from llm_jax.weights.checkpointing import restore_params
+from llm_jax.weights.writers import save_llm_jax
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------- the suite's small run
+
+NUM_STEPS, EVERY = 24, 4  # the CLI runs' steps, and their checkpoint interval
+# 16 rows of 32: the default 1M-token buffer would tokenize this corpus ~100 times per start.
+SHUFFLE_BUFFER_TOKENS = 16 * 32
+# The suite's small model: in process as a ModelConfig, on the command line as the overrides of
+# configs/tiny.py below (the fields where the two differ).
+SMALL_MODEL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=384,
+                          hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=4,
+                          num_key_value_heads=2, sliding_window=8)
+SMALL_MODEL_OVERRIDES = {f"model.{k}": getattr(SMALL_MODEL, k) for k in (
+    "num_hidden_layers", "num_experts", "hidden_size", "intermediate_size", "head_dim",
+    "vocab_size")}
+OVERRIDES = {
+    **SMALL_MODEL_OVERRIDES, "data.seq_len": 32, "data.validation_fraction": 0.2,
+    "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS, "train.batch_size": 4,
+    "train.num_steps": NUM_STEPS, "train.warmup_steps": 2, "train.log_every_steps": 1,
+    "train.eval_every_steps": 0, "train.num_samples": 0, "train.peak_flops": 1e11,
+    "checkpoint.every_steps": EVERY, "checkpoint.max_to_keep": 10,
+}
+
+
+def small_cfg(corpus_dir: str, num_steps: int = 8, checkpoint_every: int = EVERY,
+              **train) -> ml_collections.ConfigDict:
+    """The run config of SMALL_MODEL on `corpus_dir`, synchronous checkpoints; `train` overrides
+    the train section."""
+    cfg = default_run_config("small", SMALL_MODEL)
+    cfg.data.files = os.path.join(corpus_dir, "*")
+    cfg.data.validation_fraction = 0.2
+    cfg.data.seq_len = 32
+    cfg.data.shuffle_buffer_tokens = SHUFFLE_BUFFER_TOKENS
+    cfg.train.update({**dict(num_steps=num_steps, batch_size=4, warmup_steps=2, learning_rate=1e-2,
+                             log_every_steps=1, eval_every_steps=0, num_samples=0,
+                             peak_flops=1e11), **train})
+    cfg.checkpoint.update(every_steps=checkpoint_every, async_save=False)
+    return cfg
+
+
+def complete_steps(workdir: Path) -> list[int]:
+    """The steps with a checkpoint folder in `workdir`."""
+    d = workdir / "checkpoints"
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if d.exists() else []
+
+
+def saved_params(workdir: Path) -> list[np.ndarray]:
+    """The params of the newest restorable checkpoint, as numpy leaves."""
+    return [np.asarray(x) for x in jax.tree.leaves(restore_params(str(workdir))[1])]
+
+
+def read_records(workdir: Path) -> list[dict]:
+    """metrics.jsonl, one dict per logged step."""
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------- sharding and many devices
+
+# Eight CPU devices; XLA's cheapest CPU codegen, since these programs are compiled once and run
+# three times (halves the compile time; the numerics are the same IEEE float32 ops).
+EIGHT_DEVICES = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                 "--xla_llvm_disable_expensive_passes=true")
+FAST_XLA = EIGHT_DEVICES.replace("--xla_force_host_platform_device_count=8 ", "")
+
+
+def tiny_model(**changes) -> ModelConfig:
+    base = dict(num_hidden_layers=2, num_experts=8, experts_per_token=2, vocab_size=128,
+                hidden_size=32, intermediate_size=32, head_dim=16, num_attention_heads=4,
+                num_key_value_heads=2, sliding_window=8, rope_scaling_factor=1.0,
+                moe_dispatch="capacity", moe_capacity_factor=8.0)  # 8.0: nothing is dropped
+    return ModelConfig(**{**base, **changes})
+
+
+def tiny_train(**changes) -> ml_collections.ConfigDict:
+    tc = default_run_config("t", tiny_model()).train
+    tc.update({**dict(batch_size=16, num_steps=10, warmup_steps=1, learning_rate=1e-2), **changes})
+    return tc
+
+
+def batches(n, batch=16, seq=16, vocab=128, seed=0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        toks = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
+        out.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
+    return out
+
+
+# ------------------------------------------- a checkpoint with a tokenizer and a chat template
+
+CHAT_SPECIAL_TOKENS = ["<|start|>", "<|message|>", "<|end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+                 "{% endfor %}{% if add_generation_prompt %}<|start|>assistant<|message|>"
+                 "{% endif %}")
+CHECKPOINT_MODEL = ModelConfig(
+    num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=320, hidden_size=32,
+    intermediate_size=32, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+    sliding_window=8, initializer_range=0.3,  # logits that spread, so the argmax is clear
+)
+TOKENIZER_WORDS = ("the cat sat on a mat and the dog ran to the park while birds sang over green "
+                   "trees near blue water one two three four five six seven eight nine ten yes "
+                   "no maybe").split()
+
+
+def make_checkpoint(d: Path, seed: int = 0) -> Path:
+    """Writes config.json + params.safetensors + tokenizer.json (byte-level BPE trained on
+    TOKENIZER_WORDS) + chat_template.jinja into d: a checkpoint the server, the harness and the
+    chat CLI read as text (nothing downloaded)."""
+    d.mkdir(parents=True, exist_ok=True)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=CHAT_SPECIAL_TOKENS,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    words = TOKENIZER_WORDS
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))],
+                            trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    save_llm_jax(init_model(CHECKPOINT_MODEL, seed=seed), d)
+    return d

@@ -1,0 +1,352 @@
+"""Generation with the KV cache: cached logits equal full recomputation (with and without a
+sliding window, past its length), greedy tokens equal transformers' `generate`, a batch equals
+each prompt alone, sampling's limits, the cache's bytes equal describe's prediction, bad input
+raises a ValueError naming the argument, and the CLI.
+
+Tolerance: max |logit diff| <= 1e-4 (float32). Never relax it; find the bug.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from llm_jax.config import ModelConfig  # noqa: E402
+from llm_jax.generate import main  # noqa: E402
+from llm_jax.inference import loop  # noqa: E402
+from llm_jax.inference.loop import bucket, generate_jit  # noqa: E402
+from llm_jax.inference.sampler import sample as generate  # noqa: E402
+from llm_jax.inference.sampling import greedy_tokens  # noqa: E402
+from llm_jax.model import init_model  # noqa: E402
+from llm_jax.model.costs import kv_cache_bytes, kv_cache_lengths  # noqa: E402
+from llm_jax.model.kv_cache import CACHE_AXES, cache_nbytes, cache_shardings, init_cache  # noqa: E402
+from llm_jax.parallel.sharding import logical_to_spec, make_mesh  # noqa: E402
+from llm_jax.weights import flat, readers, writers  # noqa: E402
+
+TOL = 1e-4
+V = 512  # room for the CLI test's tokenizer
+CFG = ModelConfig(
+    num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=V, hidden_size=32,
+    intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+    sliding_window=8, moe_dispatch="dense",
+)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
+
+
+def random_model(cfg: ModelConfig = CFG, seed: int = 0):
+    """Weights big enough that logits spread (std-0.02 init gives near-uniform ones)."""
+    _, targets = flat.abstract_targets(cfg)
+    rng = np.random.default_rng(seed)
+    scale = {"sinks": 1.0, "embedding": 1.0, "gate_up_proj": 0.6, "down_proj": 0.05,
+             "o_proj": 1 / math.sqrt(cfg.num_attention_heads * cfg.head_dim)}
+    params = {}
+    for key, t in targets.items():
+        name = key.split(".")[-1]
+        z = rng.normal(size=t.shape)
+        if name == "scale":
+            v = 1.0 + 0.3 * z
+        elif "bias" in name:
+            v = 0.1 * z
+        else:
+            v = scale.get(name, 1 / math.sqrt(cfg.hidden_size)) * z
+        params[key] = v.astype(t.dtype)
+    return flat.model_from_params(cfg, params)
+
+
+def with_config(model, cfg: ModelConfig):
+    """The same weights under another (implementation) config."""
+    return flat.model_from_params(cfg, flat.flat_params(model))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+def recomputed_logits(model, prompts: list[list[int]], new: list[list[int]]) -> list[np.ndarray]:
+    """Logits that predicted each new token, from running each whole sequence without a cache
+    (what recomputing at every step gives, by causality). One call: right-padded to 48."""
+    seqs = np.zeros((len(prompts), 48), np.int32)
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        seqs[i, :len(p) + len(n)] = p + n
+    logits = np.asarray(model(jnp.asarray(seqs)))
+    return [logits[i, len(p) - 1:len(p) + len(n) - 1] for i, (p, n) in enumerate(zip(prompts, new))]
+
+
+# ---------------------------------------------------------------------- cache == recompute
+@pytest.mark.parametrize("window, dispatch", [(0, "dense"), (8, "dense"), (8, "capacity"), (8, "auto")])
+def test_cached_decoding_matches_full_recompute_past_the_window(model, window, dispatch):
+    m = with_config(model, CFG.replace(sliding_window=window, moe_dispatch=dispatch))
+    ref = with_config(model, CFG.replace(sliding_window=window, moe_dispatch="dense"))
+    ids, logits = generate(m, PROMPTS, max_new_tokens=16, return_logits=True)
+    assert all(len(new) == 16 for new in ids)
+    assert len(PROMPTS[1]) + 16 > 2 * CFG.sliding_window  # every ring wraps at least twice
+    for lg, want in zip(logits, recomputed_logits(ref, PROMPTS, ids)):
+        np.testing.assert_allclose(lg, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("layers, window", [(3, 8), (1, 64)])
+def test_odd_layer_counts_and_a_window_longer_than_the_cache(layers, window):
+    m = random_model(CFG.replace(num_hidden_layers=layers, sliding_window=window), seed=layers)
+    ids, logits = generate(m, PROMPTS, max_new_tokens=12, return_logits=True)
+    for lg, want in zip(logits, recomputed_logits(m, PROMPTS, ids)):
+        np.testing.assert_allclose(lg, want, atol=TOL, rtol=0)
+
+
+def test_long_prompts_prefill_block_sparse_and_continue_like_full_recompute(model):
+    from llm_jax.model.blockwise_attention import use_blockwise
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, V, 1100).tolist(), rng.integers(1, V, 1030).tolist()]
+    assert use_blockwise(2, bucket(1100), bucket(1100), CFG.num_attention_heads)
+    ids, logits = generate(model, prompts, max_new_tokens=4, return_logits=True)
+    seqs = np.zeros((2, 1104), np.int32)  # one uncached forward over prompt + new tokens
+    for i, (p, n) in enumerate(zip(prompts, ids)):
+        seqs[i, :len(p) + len(n)] = p + n
+    full = np.asarray(model(jnp.asarray(seqs)))
+    for i, (p, n) in enumerate(zip(prompts, ids)):
+        np.testing.assert_allclose(logits[i], full[i, len(p) - 1:len(p) + len(n) - 1],
+                                   atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------- transformers
+def test_greedy_tokens_match_transformers_generate(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, vocab_size=V,
+        hidden_size=32, intermediate_size=32, head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        max_position_embeddings=4096 * 32, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.GptOssForCausalLM(config).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # weights big enough that greedy paths differ between models
+        for name, p in hf.named_parameters():
+            z = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * z)
+            elif name.endswith(("sinks", "embed_tokens.weight")):
+                p.copy_(z)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * z)
+            elif name.endswith("gate_up_proj"):
+                p.copy_(0.6 * z)
+            elif name.endswith("down_proj"):
+                p.copy_(0.05 * z)
+            else:
+                p.copy_(z / math.sqrt(p.shape[-1]))
+    hf.save_pretrained(tmp_path)
+    prompt = [3, 17, 99, 42, 8, 64]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = want[0, len(prompt):].tolist()
+    ours = readers.load_pretrained(tmp_path)
+    assert ours.cfg.sliding_window == 8 and ours.cfg.rope_scaling_factor == 32
+    assert generate(ours, prompt, max_new_tokens=20) == want
+    assert len(set(want)) > 3  # not a degenerate repetition
+
+
+# ---------------------------------------------------------------------- batching
+def test_decoding_from_stacked_layer_weights_equals_slicing_them_once(model, monkeypatch):
+    # On CPU the loop slices each layer's weights once before it (loop.SLICE_LAYERS_MAX_BYTES);
+    # with the limit at 0 every step reads the stacked weights, as on accelerators.
+    assert loop._slice_layers_once(model)
+    ids, logits = generate(model, PROMPTS, max_new_tokens=9, return_logits=True)
+    monkeypatch.setattr(loop, "SLICE_LAYERS_MAX_BYTES", 0)
+    assert not loop._slice_layers_once(model)
+    generate_jit.clear_cache()
+    try:
+        stacked_ids, stacked_logits = generate(model, PROMPTS, max_new_tokens=9,
+                                               return_logits=True)
+    finally:
+        generate_jit.clear_cache()
+    assert stacked_ids == ids
+    for a, b in zip(stacked_logits, logits):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_batch_of_different_lengths_equals_each_prompt_alone(model):
+    batch = generate(model, PROMPTS, max_new_tokens=10)
+    assert batch == [generate(model, p, max_new_tokens=10) for p in PROMPTS]
+
+
+def test_sampled_sequence_does_not_depend_on_the_rest_of_the_batch(model):
+    # Row b draws from fold_in(fold_in(seed, step), b): the same row and seed give the same
+    # tokens whatever the other prompts are (their lengths, their contents, or none at all).
+    kw = dict(max_new_tokens=10, temperature=1.0, seed=3)
+    batch = generate(model, PROMPTS, **kw)
+    other = generate(model, [PROMPTS[0], PROMPTS[2][:5], [1]], **kw)
+    assert other[0] == batch[0] == generate(model, PROMPTS[0], **kw)
+    assert batch[1] != batch[0]
+
+
+def test_generation_stops_at_eos_and_includes_it(model):
+    full = generate(model, PROMPTS, max_new_tokens=12)
+    eos = full[0][4]
+    out = generate(model, PROMPTS, max_new_tokens=12, eos_id=eos)
+    for f, o in zip(full, out):
+        stop = f.index(eos) + 1 if eos in f else len(f)
+        assert o == f[:stop]
+
+
+def test_new_prompts_and_settings_in_one_bucket_reuse_the_compiled_program(model):
+    generate(model, [[1, 2, 3], [4, 5], [6]], max_new_tokens=9, temperature=0.7, top_p=0.9,
+             seed=1)
+    before = generate_jit._cache_size()
+    generate(model, [[1, 2, 3, 4, 5, 6], [7], [8, 9]], max_new_tokens=14, temperature=1.3,
+             top_k=5, top_p=0.5, seed=2, eos_id=4)
+    assert generate_jit._cache_size() == before
+    assert bucket(1) == bucket(16) == 16 and bucket(17) == 32 and bucket(1500) == 2048
+
+
+def test_streaming_callback_sees_every_token_in_order(model):
+    seen = []
+
+    def sink(step, tokens, active):
+        seen.append((step, tokens.tolist(), active.tolist()))
+
+    ids = generate(model, PROMPTS, max_new_tokens=6, stream=sink)
+    assert [s for s, _, _ in seen] == list(range(6))
+    assert [[t[b] for _, t, _ in seen] for b in range(3)] == ids
+
+
+# ---------------------------------------------------------------------- sampling
+def test_greedy_tokens_equal_argmax_with_ties_and_nans():
+    rng = np.random.default_rng(0)
+    logits = rng.integers(0, 5, (64, 300)).astype(np.float32)  # many ties: the first one wins
+    logits[3, [7, 40]] = np.nan
+    logits[5] = -np.inf
+    logits[9, 299] = np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens)(jnp.asarray(logits))),
+                                  np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(model):
+    greedy = generate(model, PROMPTS, max_new_tokens=8)
+    assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, top_k=1, seed=5) == greedy
+    assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=5) == greedy
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(model):
+    kw = dict(max_new_tokens=12, temperature=1.5, top_k=50, top_p=0.95)
+    a = generate(model, PROMPTS, seed=7, **kw)
+    assert generate(model, PROMPTS, seed=7, **kw) == a
+    assert generate(model, PROMPTS, seed=8, **kw) != a
+
+
+# ---------------------------------------------------------------------- the cache
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_bytes_equal_the_size_of_a_real_cache(window, dtype):
+    cfg = CFG.replace(sliding_window=window)
+    for length in (3, 8, 100, 1000):
+        cache = init_cache(cfg, 2, length, dtype)
+        assert cache_nbytes(cache) == kv_cache_bytes(cfg, length, batch=2, dtype=dtype)
+        # Sliding layers are capped at min(len, W), full layers hold every position.
+        assert [c.slots for c in cache] == list(kv_cache_lengths(cfg, length))
+        kh = (2, cfg.num_key_value_heads)
+        assert all(c.k.shape == (*kh, cfg.head_dim, c.slots)
+                   and c.v.shape == (*kh, c.slots, cfg.head_dim) for c in cache)
+    assert cache_nbytes(init_cache(cfg, 2, 1000)) < 2 * cache_nbytes(init_cache(cfg, 2, 500)) + 1
+
+
+def test_cache_is_sharded_by_the_logical_rules_on_a_one_device_mesh(model):
+    mesh = make_mesh({"data": 1})
+    layer = cache_shardings(mesh, CFG)[1]
+    assert layer.k.spec == logical_to_spec(CACHE_AXES.k)
+    assert layer.v.spec == logical_to_spec(CACHE_AXES.v)
+    for spec in (layer.k.spec, layer.v.spec):
+        assert spec[0] == logical_to_spec(("batch",))[0] and spec[1] == "tensor"
+    assert generate(model, PROMPTS, max_new_tokens=5, mesh=mesh) == \
+        generate(model, PROMPTS, max_new_tokens=5)
+
+
+def test_bfloat16_cache_stays_close_to_float32(model):
+    ids, a = generate(model, PROMPTS, max_new_tokens=16, return_logits=True)
+    ids_b, b = generate(model, PROMPTS, max_new_tokens=16, return_logits=True,
+                        cache_dtype="bfloat16")
+    n = 4  # compare while the tokens agree
+    assert [i[:n] for i in ids] == [i[:n] for i in ids_b]
+    err = max(np.abs(x[:n] - y[:n]).max() for x, y in zip(a, b))
+    assert 0 < err < 0.05 * max(np.abs(x).max() for x in a)
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(prompt_ids=[list(range(40))], max_new_tokens=5, max_len=32), "max_len"),
+    (dict(prompt_ids=[[1, 2], []]), r"prompt_ids\[1\]"),
+    (dict(prompt_ids=[]), "prompt_ids"),
+    (dict(prompt_ids=[1, 2], temperature=-0.5), "temperature"),
+    (dict(prompt_ids=[1, 2], top_p=0.0), "top_p"),
+    (dict(prompt_ids=[1, 2], top_p=1.5), "top_p"),
+    (dict(prompt_ids=[[1, V]]), r"prompt_ids\[0\].*vocabulary"),
+    (dict(prompt_ids=[[-1, 2]]), r"prompt_ids\[0\].*vocabulary"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_ids=[1, 2], top_k=-1), "top_k"),
+    (dict(prompt_ids=[1, 2], eos_id=V), "eos_id"),
+    (dict(prompt_ids="def fib("), "prompt_ids"),
+])
+def test_bad_input_raises_value_error_naming_the_argument(model, kwargs, names):
+    with pytest.raises(ValueError, match=names):
+        generate(model, **kwargs)
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_generates_from_an_llm_jax_checkpoint_with_its_tokenizer(model, tmp_path, capsys):
+    import inspect
+
+    from llm_jax.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.train([inspect.getsource(json.decoder)], vocab_size=400)
+    tok.save(str(tmp_path / "tokenizer.model"))
+    ckpt = writers.save_llm_jax(model, tmp_path / "ckpt")
+    out_json = tmp_path / "out.json"
+    assert main(["--checkpoint", str(ckpt), "--prompt", "def fib(", "--max_new_tokens", "8",
+                 "--output_json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    (row,) = json.loads(out_json.read_text())
+    assert row["prompt_ids"] == tok.encode("def fib(")
+    assert printed == "def fib(" + row["text"] + "\n"
+    assert row["ids"] == generate(model, row["prompt_ids"], max_new_tokens=8, eos_id=tok.eos_id)
+
+
+def test_cli_takes_prompt_ids_without_a_tokenizer_and_names_bad_flags(model, tmp_path, capsys):
+    ckpt = writers.save_llm_jax(model, tmp_path / "ckpt")  # (HF loading: the transformers test)
+    out_json = tmp_path / "out.json"
+    assert main(["--checkpoint", str(ckpt), "--max_new_tokens", "4", "--output_json",
+                 str(out_json), *sum((["--prompt_ids", ",".join(map(str, p))] for p in PROMPTS),
+                                     [])]) == 0
+    rows = json.loads(out_json.read_text())
+    assert [r["ids"] for r in rows] == generate(model, PROMPTS, max_new_tokens=4)
+    assert main(["--checkpoint", str(ckpt), "--prompt", "hi"]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+    assert main(["--checkpoint", str(ckpt), "--prompt_ids", "1,x"]) == 2
+    assert "--prompt_ids" in capsys.readouterr().err
+
+
+def test_package_level_sample_is_the_api_even_after_the_cli_module_is_imported():
+    import llm_jax
+    import llm_jax.generate  # noqa: F401  (the CLI module must not shadow the API)
+
+    model = init_model(ModelConfig(num_hidden_layers=2, vocab_size=300, hidden_size=32,
+                                   intermediate_size=32, head_dim=8, num_experts=4))
+    assert llm_jax.sample is generate
+    assert llm_jax.sample(model, [1, 2, 3], max_new_tokens=4) == \
+        generate(model, [1, 2, 3], max_new_tokens=4)

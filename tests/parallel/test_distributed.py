@@ -1,0 +1,143 @@
+"""Multi-host: two processes x four CPU devices on 127.0.0.1 (launch/local.py) train three steps
+with the same losses as one process with eight devices, and the checkpoint they write together
+restores on one device and on a (2, 1, 2, 2) mesh with the same params.
+
+The workers are this file run as a script; nothing connects beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # helpers, as a script too
+
+from helpers import EIGHT_DEVICES, FAST_XLA, batches, tiny_model, tiny_train  # noqa: E402
+
+# The same (2, 1, 2, 2) layout both ways: one process with data=2 inside it, or two processes
+# with data split across them (dcn_data=2, the hybrid mesh) and tensor x expert inside each.
+SINGLE = {"mesh": {"data": 2, "fsdp": 1, "tensor": 2, "expert": 2}, "dcn": {}}
+MULTI = {"mesh": {"data": 1, "fsdp": 1, "tensor": 2, "expert": 2}, "dcn": {"data": 2}}
+
+
+def _run(cmd, env_extra, timeout=300):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **env_extra}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    single, multi = tmp / "single", tmp / "multi"
+    _run([sys.executable, __file__, "train", str(single), json.dumps(SINGLE)],
+         {"XLA_FLAGS": EIGHT_DEVICES})
+    _run([sys.executable, str(ROOT / "launch" / "local.py"), "--num_processes", "2",
+          "--devices_per_process", "4", "--timeout", "280", "--", sys.executable, __file__,
+          "train", str(multi), json.dumps(MULTI)], {"XLA_FLAGS": FAST_XLA})
+    return single, multi
+
+
+def test_two_processes_train_like_one_process_with_eight_devices(runs):
+    single, multi = (json.loads((d / "result.json").read_text()) for d in runs)
+    assert multi["process_count"] == 2 and single["process_count"] == 1
+    assert multi["devices"] == single["devices"] == 8
+    assert multi["local_rows"] == [8, 8]  # each process loaded only its half of the batch
+    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["one_device", "mesh_2x1x2x2"])
+def test_multi_process_checkpoint_restores_on_another_mesh(runs, target):
+    single, multi = runs
+    flags = {"XLA_FLAGS": EIGHT_DEVICES if target != "one_device" else FAST_XLA}
+    out = _run([sys.executable, __file__, "restore", str(multi), target,
+                str(single / "params.npz")], flags)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["step"] == 3
+    assert r["max_param_diff"] < 1e-5, r
+    assert r["devices"] == (1 if target == "one_device" else 8)
+    assert r["placed_on_target"], r
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _setup(mesh_spec):
+
+    from llm_jax.parallel import sharding as sh
+
+    mesh = sh.make_mesh(mesh_spec["mesh"], dcn_sizes=mesh_spec["dcn"] or None)
+    return tiny_model(moe_dispatch="expert_parallel"), tiny_train(), mesh
+
+
+def worker_train(workdir: str, mesh_json: str) -> None:
+    from llm_jax.parallel import distributed
+
+    info = distributed.initialize()  # from the launcher's environment
+    import jax
+
+    from llm_jax.training.step import compile_steps
+    from llm_jax.weights.checkpointing import Checkpointer
+
+    cfg, tc, mesh = _setup(json.loads(mesh_json))
+    steps = compile_steps(cfg, tc, mesh, seed=0)
+    state = steps.init()
+    rows = distributed.local_rows(steps.batch_sharding, tc.batch_size)
+    losses = []
+    for b in batches(3, batch=tc.batch_size):  # every process sees the same global stream...
+        local = {k: v[rows] for k, v in b.items()}  # ...and loads only its rows
+        state, m = steps.train(state, distributed.global_batch(local, steps.batch_sharding))
+        losses.append(float(m["loss"]))
+    ckpt = Checkpointer(workdir, async_save=True)
+    ckpt.save(3, state, config={"model": cfg.to_dict()}, data_iter=None, tokenizer_proto=None)
+    ckpt.wait()
+    ckpt.close()
+    counts = distributed.process_allgather_int(len(rows))
+    if distributed.is_main():
+        os.makedirs(workdir, exist_ok=True)
+        result = {"losses": losses, "process_count": jax.process_count(),
+                  "devices": jax.device_count(), "local_rows": counts, "init": info}
+        pathlib.Path(workdir, "result.json").write_text(json.dumps(result))
+        if jax.process_count() == 1:
+            flat = jax.tree_util.tree_leaves_with_path(jax.device_get(state.params))
+            np.savez(pathlib.Path(workdir, "params.npz"),
+                     **{jax.tree_util.keystr(p): np.asarray(v) for p, v in flat})
+
+
+def worker_restore(workdir: str, target: str, ref_npz: str) -> None:
+    import jax
+
+    from llm_jax.parallel import sharding as sh
+    from llm_jax.training.step import compile_steps
+    from llm_jax.weights.checkpointing import Checkpointer
+
+    spec = {"mesh": {}, "dcn": {}} if target == "one_device" else SINGLE
+    cfg, tc, _ = _setup(spec)
+    mesh = sh.make_mesh(spec["mesh"] or None, devices=jax.devices()[:1]
+                        if target == "one_device" else None)
+    steps = compile_steps(cfg, tc, mesh, seed=0)
+    ckpt = Checkpointer(workdir, create=False, async_save=False)
+    state = ckpt.restore(ckpt.latest_step(), steps.abstract_state, None)
+    ref = np.load(ref_npz)
+    flat = jax.tree_util.tree_leaves_with_path(jax.device_get(state.params))
+    diff = max(float(np.max(np.abs(np.asarray(v) - ref[jax.tree_util.keystr(p)])))
+               for p, v in flat)
+    want = jax.tree.leaves(steps.state_sharding.params)
+    placed = all(a.sharding == s for a, s in zip(jax.tree.leaves(state.params), want))
+    state, _ = steps.train(state, jax.device_put(
+        {"inputs": np.zeros((tc.batch_size, 16), np.int32),
+         "targets": np.zeros((tc.batch_size, 16), np.int32)}, steps.batch_sharding))
+    print(json.dumps({"step": int(jax.device_get(state.step)) - 1, "max_param_diff": diff,
+                      "devices": len(mesh.devices.flat), "placed_on_target": placed}))
+
+
+if __name__ == "__main__":
+    {"train": worker_train, "restore": worker_restore}[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,103 @@
+"""Ahead-of-time compilation: the real train step compiles for a TPU topology from this CPU
+machine (libtpu's compile-only devices) and for 8 simulated CPU devices, and reports per-chip
+memory next to the arithmetic estimate."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from llm_jax.training import aot
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = ["--config.model.num_hidden_layers=2", "--config.model.num_experts=8",
+        "--config.model.hidden_size=64", "--config.model.intermediate_size=64",
+        "--config.model.head_dim=16", "--config.model.vocab_size=256", "--seq_len=32",
+        "--batch=8"]
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def cli(*args, xla_flags=""):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
+    return subprocess.run([sys.executable, "-m", "llm_jax.compile", "--config",
+                           str(ROOT / "configs/tiny.py"), *TINY, *args, "--json"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_topology_names_follow_cloud_tpu_accelerator_types():
+    assert aot.topology_name("v5p-32") == "v5p:2x2x4"  # 32 TensorCores = 16 chips
+    assert aot.topology_name("v5e-16") == "v5e:4x4"
+    assert aot.topology_name("v6e-64") == "v6e:8x8"
+    assert aot.topology_name("v4:2x2x1") == "v4:2x2x1"
+    with pytest.raises(ValueError, match="v5p-24.*24 is not a v5p slice size"):
+        aot.topology_name("v5p-24")
+    with pytest.raises(ValueError, match="expected GEN-N"):
+        aot.topology_name("h100-8")
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
+                    "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
+def test_train_step_compiles_for_a_tpu_topology_and_reports_memory():
+    out = cli("--topology", "v5e-4", "--mesh", "fsdp=2,expert=2",
+              "--config.model.moe_dispatch=expert_parallel")
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout[out.stdout.index("{"):])
+    assert r["device_kind"] == "TPU v5 lite" and r["devices"] == 4
+    assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}
+    assert r["fits"] is True and r["hbm_bytes"] == 16 * 2**30
+    b, e = r["bytes"], r["estimate"]
+    # Arguments are the sharded params + optimizer state (+ a small batch): the estimate's
+    # params + Adam m, v within 10% (the estimate treats embed-less vectors as fsdp-sharded).
+    state = e["params"] + e["adam_m_v"]
+    assert 0.9 * state < b["arguments"] < 1.1 * state + 2**20
+    assert b["aliased"] > 0.9 * state  # the state is donated: outputs reuse its buffers
+
+
+def test_train_step_compiles_for_eight_cpu_devices():
+    out = cli("--cpu_devices", "8", "--mesh", "data=2,tensor=2,expert=-1",
+              "--config.model.moe_dispatch=expert_parallel",
+              xla_flags="--xla_backend_optimization_level=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout[out.stdout.index("{"):])
+    assert r["devices"] == 8 and r["mesh"]["expert"] == 2 and r["fits"] is None
+    assert r["bytes"]["arguments"] > 0 and r["compile_seconds"] > 0
+
+
+def test_bad_mesh_for_the_topology_names_both_numbers():
+    out = cli("--cpu_devices", "8", "--mesh", "data=3")
+    assert out.returncode == 2
+    assert "multiply to 3, but there are 8 devices" in out.stderr
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
+                    "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
+def test_sharded_generation_compiles_for_a_tpu_topology():
+    # Prefill runs splash attention and the grouped-matmul MoE (Pallas): on a mesh of several
+    # chips they must be traced under it (shard_map) or the program does not compile.
+    code = """
+import json
+from llm_jax.config import ModelConfig
+from llm_jax.training import aot
+from llm_jax.parallel.sharding import make_mesh
+cfg = ModelConfig(num_hidden_layers=2, num_experts=8, hidden_size=64, intermediate_size=64,
+                  head_dim=16, vocab_size=256)
+devices = aot.tpu_devices("v5e-4")
+out = {}
+for sizes in ({"data": 2, "tensor": 2}, {"fsdp": 2, "expert": 2}):
+    compiled = aot.compile_generate(cfg, make_mesh(sizes, devices), batch=4, prompt_len=300,
+                                    new_tokens=20)
+    out[str(sizes)] = compiled.as_text().count("tpu_custom_call")
+print(json.dumps(out))
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(kernels) == 2 and all(n > 0 for n in kernels.values()), kernels

@@ -1,0 +1,167 @@
+"""Training: the step (accumulation, decay mask, schedule), exact resume, the CLI end to end, and
+bad input that loses nothing already saved."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import ROOT, SHUFFLE_BUFFER_TOKENS, SMALL_MODEL, SMALL_MODEL_OVERRIDES, small_cfg
+
+from llm_jax.parallel.sharding import make_mesh
+from llm_jax.training.loop import train
+from llm_jax.training.run_config import model_config
+from llm_jax.training.step import compile_steps, decay_mask, learning_rate_schedule
+from llm_jax.weights.checkpointing import Checkpointer, restore_params
+
+
+def small_run_config(corpus_dir: str, num_steps: int = 6):
+    return small_cfg(corpus_dir, num_steps, checkpoint_every=3, eval_every_steps=3,
+                      eval_batches=2)
+
+
+def _random_batch(rng, b, t, v):
+    return {"inputs": rng.integers(0, v, (b, t)).astype(np.int32),
+            "targets": rng.integers(0, v, (b, t)).astype(np.int32)}
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    cfg = small_run_config("unused")
+    cfg.model.moe_dispatch = "dense"  # capacity would route each microbatch separately
+    mcfg = model_config(cfg)
+    batch = _random_batch(np.random.default_rng(0), 4, 16, mcfg.vocab_size)
+    results = []
+    for accum in (1, 2):
+        cfg.train.grad_accum_steps = accum
+        steps = compile_steps(mcfg, cfg.train, make_mesh(), seed=0)
+        state, metrics = steps.train(steps.init(), batch)
+        results.append((jax.device_get(state.params), float(metrics["loss"])))
+    (p1, l1), (p2, l2) = results
+    assert l1 == pytest.approx(l2, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_weight_decay_skips_norms_biases_and_sinks():
+    params = nnx.state(nnx.eval_shape(lambda: __import__("llm_jax.model", fromlist=["x"])
+                                      .Transformer(SMALL_MODEL, rngs=nnx.Rngs(0))), nnx.Param)
+    flat = dict(jax.tree_util.tree_flatten_with_path(decay_mask(params))[0])
+    by_name = {"/".join(str(getattr(k, "key", k)) for k in path): v for path, v in flat.items()}
+    decayed = {n for n, v in by_name.items() if v}
+    assert any("q_proj" in n for n in decayed) and any("gate_up_proj" in n for n in decayed)
+    assert any(n.startswith("embedding") for n in decayed)
+    for n in by_name:
+        if any(s in n for s in ("scale", "bias", "sinks")):
+            assert n not in decayed, n
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_floor():
+    cfg = small_run_config("unused", num_steps=100)
+    cfg.train.warmup_steps = 10
+    lr = learning_rate_schedule(cfg.train)
+    assert float(lr(0)) == 0.0
+    assert float(lr(10)) == pytest.approx(cfg.train.learning_rate)
+    assert float(lr(100)) == pytest.approx(cfg.train.learning_rate * cfg.train.min_lr_ratio)
+    assert float(lr(5)) == pytest.approx(cfg.train.learning_rate / 2)
+
+
+def _losses(workdir: str) -> list[tuple[int, float]]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+
+
+@pytest.mark.slow
+def test_resume_is_exact(corpus_dir, tmp_path):
+    """2N steps in one run == N steps, restart, N more: bitwise equal losses and params."""
+    n = 3
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(small_run_config(corpus_dir, num_steps=2 * n), straight)
+    train(small_run_config(corpus_dir, num_steps=n), resumed)
+    assert Checkpointer(resumed).latest_step() == n
+    train(small_run_config(corpus_dir, num_steps=2 * n), resumed)
+    assert _losses(straight) == _losses(resumed)
+    _, p_straight, _ = restore_params(straight)
+    _, p_resumed, _ = restore_params(resumed)
+    for a, b in zip(jax.tree.leaves(p_straight), jax.tree.leaves(p_resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_train_cli_end_to_end(corpus_dir, tmp_path):
+    workdir = tmp_path / "run"
+    overrides = {
+        **SMALL_MODEL_OVERRIDES, "data.files": os.path.join(corpus_dir, "*"), "data.validation_fraction": 0.2,
+        "data.seq_len": 32, "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS,
+        "train.batch_size": 8, "train.num_steps": 30,
+        "train.warmup_steps": 5, "train.learning_rate": 1e-2, "train.log_every_steps": 5,
+        "train.eval_every_steps": 15, "train.eval_batches": 2, "checkpoint.every_steps": 15,
+    }
+    cmd = [sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
+           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.5, losses  # it learns
+    last = records[-1]
+    for key in ("val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_sec", "mfu", "expert_load"):
+        assert key in last, key
+    assert np.asarray(last["expert_load"]).shape == (2, 4)
+    assert (workdir / "loss.png").stat().st_size > 1000
+    assert (workdir / "expert_load.png").stat().st_size > 1000
+    assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
+    assert "---- sample ----" in proc.stdout
+
+    ckpt = Checkpointer(str(workdir), create=False)
+    assert ckpt.all_steps() == [15, 30]
+    saved = ckpt.restore_config(30)
+    assert saved["model"]["hidden_size"] == 32 and saved["train"]["num_steps"] == 30
+    assert ckpt.restore_tokenizer_proto(30) == (workdir / "tokenizer.model").read_bytes()
+    assert (workdir / "checkpoints" / "30" / "data").is_dir()
+    ckpt.close()
+
+    # The workdir loads as a pretrained model, with the trained config.
+    import llm_jax
+
+    model = llm_jax.load_pretrained(str(workdir))
+    assert model.cfg.hidden_size == 32
+    logits = model(jnp.zeros((1, 5), jnp.int32))
+    assert logits.shape == (1, 5, 384)
+
+
+def test_changed_model_config_is_refused_and_checkpoints_kept(corpus_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    train(small_run_config(corpus_dir, num_steps=3), workdir)
+    before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+    cfg = small_run_config(corpus_dir, num_steps=6)
+    cfg.model.hidden_size = 64
+    with pytest.raises(ValueError, match="hidden_size: saved 32 vs requested 64"):
+        train(cfg, workdir)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
+
+
+def test_resume_allows_other_execution_fields_but_not_other_numerics():
+    from llm_jax.config import ModelConfig
+    from llm_jax.weights.checkpointing import check_same_model
+
+    saved = {"model": ModelConfig().to_dict()}
+    check_same_model(saved, ModelConfig(remat=True, scan_layers=False), "ckpts")
+    with pytest.raises(ValueError, match="moe_capacity_factor: saved 1.25 vs requested 2.0"):
+        check_same_model(saved, ModelConfig(moe_capacity_factor=2.0), "ckpts")
+
+
+def test_unwritable_workdir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="cannot be written"):
+        train(small_run_config(str(tmp_path)), str(blocker / "run"))
