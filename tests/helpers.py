@@ -1,6 +1,7 @@
 """What several test files share, in one module: the suite's small model and run config, the
-command-line overrides that give the same run, readers of a run's checkpoints and metrics, and
-the sharding tests' tiny model, batches and XLA flags. Test files import this module (tests/ is
+command-line overrides that give the same run, readers of a run's checkpoints and metrics, the
+sharding tests' tiny model, batches and XLA flags, and a tiny checkpoint with a tokenizer and a
+chat template for the serving, evaluation and chat tests. Test files import this module (tests/ is
 on sys.path: conftest.py lives there; a test run as a script puts it there itself), never each
 other."""
 
@@ -13,10 +14,13 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
+import tokenizers
 
 from llm_jax.config import ModelConfig
+from llm_jax.model import init_model
 from llm_jax.training.run_config import default_run_config
 from llm_jax.weights.checkpointing import restore_params
+from llm_jax.weights.writers import save_llm_jax
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +108,40 @@ def batches(n, batch=16, seq=16, vocab=128, seed=0) -> list[dict[str, np.ndarray
         toks = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
         out.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
     return out
+
+
+# ------------------------------------------- a checkpoint with a tokenizer and a chat template
+
+CHAT_SPECIAL_TOKENS = ["<|start|>", "<|message|>", "<|end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+                 "{% endfor %}{% if add_generation_prompt %}<|start|>assistant<|message|>"
+                 "{% endif %}")
+CHECKPOINT_MODEL = ModelConfig(
+    num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=320, hidden_size=32,
+    intermediate_size=32, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+    sliding_window=8, initializer_range=0.3,  # logits that spread, so the argmax is clear
+)
+TOKENIZER_WORDS = ("the cat sat on a mat and the dog ran to the park while birds sang over green "
+                   "trees near blue water one two three four five six seven eight nine ten yes "
+                   "no maybe").split()
+
+
+def make_checkpoint(d: Path, seed: int = 0) -> Path:
+    """Writes config.json + params.safetensors + tokenizer.json (byte-level BPE trained on
+    TOKENIZER_WORDS) + chat_template.jinja into d: a checkpoint the server, the harness and the
+    chat CLI read as text (nothing downloaded)."""
+    d.mkdir(parents=True, exist_ok=True)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=CHAT_SPECIAL_TOKENS,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    words = TOKENIZER_WORDS
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))],
+                            trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    save_llm_jax(init_model(CHECKPOINT_MODEL, seed=seed), d)
+    return d

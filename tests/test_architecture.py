@@ -1,6 +1,7 @@
-"""Layers that point one way: command lines -> training -> inference / weights -> model / data ->
-kernels -> parallel -> runtime / config. Read from the source (ast), so a new import cycle, an
-import up the layers or a private name taken from another module fails here, by name."""
+"""Layers that point one way: command lines -> training / serving / evaluation -> inference /
+weights -> model / data -> kernels -> parallel -> runtime / config. Read from the source (ast),
+so a new import cycle, an import up the layers or a private name taken from another module
+fails here, by name."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ RANKS = {
     "kernels": 2,
     "model": 3, "data": 3,
     "inference": 4, "weights": 4,
-    "training": 5,
+    "training": 5, "serving": 5, "evaluation": 5,
     "bench": 6, "(command lines)": 6,
 }
 

@@ -3,8 +3,8 @@ names it (`llm_jax.train: error: --config.train.num_stpes: ...`), exit status 2,
 
 The command lines with a run config (`train`, `describe`, `compile`) parse with absl and
 ml_collections' `--config` file flag, through `parse_flags(prog)`; the others (`generate`,
-`convert`, `export`, `bench`) with this module's `ArgumentParser`, argparse's with the same
-one-line errors; all of them report a bad value through `fail`.
+`convert`, `export`, `serve`, `chat`, `bench`) with this module's `ArgumentParser`, argparse's
+with the same one-line errors; all of them report a bad value through `fail`.
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ EXPECTED = {
     "stacks": lambda r: [s["python"] for s in r["stacks"]] == [sys.executable]
     and all("jax " in s["versions"] and s["step_s"] > 0 and s["decode_tokens_per_s"] > 0
             for s in r["stacks"]),
+    "serve": lambda r: r["server"]["tokens_per_s"] > 0 and r["sample"]["tokens_per_s"] > 0
+    and r["latency"]["alone_s"] > 0 and r["latency"]["busy_s"] > 0
+    and len(r["prompt_lengths"]) == r["requests"] and r["server_runs"][0]["tokens"] == r[
+        "requests"] * r["new_tokens"],
 }
 EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf"]}
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llm_jax import convert, generate
+from llm_jax import chat, convert, generate, serve
 from llm_jax.runtime.cli import fail, refuse_repeated_overrides
 
 
@@ -10,6 +10,8 @@ from llm_jax.runtime.cli import fail, refuse_repeated_overrides
     (generate.main, ["--max_new_tokens", "abc"], "--max_new_tokens: invalid int value: 'abc'"),
     (generate.main, ["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (convert.main, ["--src", "a", "--dst", "b", "--to", "hf5"], "--to: invalid choice: 'hf5'"),
+    (serve.main, ["--checkpoint", "a", "--warmup", "some"], "--warmup: invalid choice: 'some'"),
+    (chat.main, ["--checkpoint", "a", "--max_len", "x"], "--max_len: invalid int value: 'x'"),
 ])
 def test_a_bad_flag_is_one_line_naming_it(main, argv, named, capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible routes (FastAPI) over one continuous-batching `Engine`.
+
+    GET  /health               {"status": "ok", slots, busy_slots, free_slots, waiting, steps}
+    GET  /v1/models            the one model served
+    POST /v1/completions       text or token-id prompts (a list of them: one choice each)
+    POST /v1/chat/completions  messages through the checkpoint's chat template
+
+Both POST routes take max_tokens, temperature, top_p, stop, seed and stream (server-sent events
+ending with `data: [DONE]`). The engine steps in its own thread; each request's tokens are
+turned into text there by `StopText` (so a stop string never reaches the client) and reach the
+event loop through one `Mailbox` (one wake-up per batch of events). Errors are OpenAI error
+objects: 400 for a bad request (malformed JSON, a wrong type, a prompt that does not fit, no
+chat template), 429 when the queue is full, 503 while shutting down, 504 past the request
+timeout. A client that goes away cancels its sequences, which frees their slots at the next
+step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from llm_jax.inference.engine import Engine, EngineClosed, QueueFull, SamplingParams, Sequence
+from llm_jax.inference.stops import StopText
+from llm_jax.inference.tokenizer import CheckpointTokenizer
+from llm_jax.serving import protocol
+from llm_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+log = logging.getLogger(__name__)
+
+# finish reasons of the engine that are errors, and their HTTP status
+FAILURES = {"timeout": 504, "cancelled": 503, "error": 500}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(error_body(self.message, self.kind, self.param), self.status,
+                            headers=headers)
+
+
+@dataclasses.dataclass
+class Server:
+    """What the routes share: the engine (started by the app's lifespan), the tokenizer (None:
+    token-id prompts only), the name the API reports, and the per-request timeout."""
+
+    engine: Engine
+    tokenizer: CheckpointTokenizer | None
+    model_name: str
+    request_timeout: float = 600.0
+    _mailbox: Mailbox | None = None
+
+    def mailbox(self) -> Mailbox:
+        """The running event loop's mailbox (made on first use, inside the loop)."""
+        if self._mailbox is None:
+            self._mailbox = Mailbox(asyncio.get_running_loop())
+        return self._mailbox
+
+
+class Mailbox:
+    """Moves events from the engine thread onto asyncio queues, one wake-up of the event loop per
+    batch of events (an engine step makes one per running sequence) instead of one per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.pending, self.lock = loop, [], threading.Lock()
+
+    def post(self, queue: asyncio.Queue, event: Any) -> None:
+        with self.lock:
+            self.pending.append((queue, event))
+            first = len(self.pending) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
+class _Stream:
+    """One HTTP request's sequences: their text, and their events on the event loop's queue as
+    (choice index, new text, finish reason or None)."""
+
+    def __init__(self, server: Server, stop: list[str], n: int):
+        self.mailbox = server.mailbox()
+        self.queue: asyncio.Queue[tuple[int, str, str | None]] = asyncio.Queue()
+        decode = server.tokenizer.decode if server.tokenizer else (
+            lambda ids: "".join(f" {i}" for i in ids))
+        self.texts = [StopText(decode, stop) for _ in range(n)]
+        self.seqs: list[Sequence] = []
+
+    def listener(self, index: int):
+        text = self.texts[index]
+
+        def on_token(seq: Sequence, token: int | None) -> bool:
+            if token is None:
+                event = (index, text.finish(), seq.finish_reason)
+            else:
+                delta = text.push(token)
+                if not delta:
+                    return text.stopped
+                event = (index, delta, None)
+            self.mailbox.post(self.queue, event)
+            return text.stopped
+
+        return on_token
+
+    def cancel(self) -> None:
+        for seq in self.seqs:
+            seq.cancel()
+
+
+def _params(body, max_tokens: int, stop_ids: frozenset[int]) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None
+        else float(body.temperature), top_p=1.0 if body.top_p is None else float(body.top_p),
+        seed=random.randrange(2**31) if body.seed is None else body.seed, stop_ids=stop_ids)
+
+
+def _submit(server: Server, stream: _Stream, prompts: list[list[int]], body,
+            max_tokens: int | None, stop_ids: frozenset[int]) -> None:
+    engine = server.engine
+    try:
+        for i, prompt in enumerate(prompts):
+            limit = max_tokens if max_tokens is not None else engine.cfg.max_len - len(prompt)
+            if limit < 1:
+                raise ValueError(f"the prompt has {len(prompt)} tokens: no room left to "
+                                 f"generate in max_len={engine.cfg.max_len}")
+            seq = Sequence(prompt, _params(body, limit, stop_ids), stream.listener(i),
+                           timeout=server.request_timeout)
+            engine.submit(seq)
+            stream.seqs.append(seq)
+    except ValueError as e:
+        stream.cancel()
+        raise ApiError(400, str(e)) from None
+    except QueueFull as e:
+        stream.cancel()
+        raise ApiError(429, str(e), "rate_limit_exceeded") from None
+    except EngineClosed as e:
+        stream.cancel()
+        raise ApiError(503, str(e), "server_unavailable") from None
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _events(server: Server, stream: _Stream, rid: str, chat: bool) -> AsyncIterator[str]:
+    name = server.model_name
+    try:
+        if chat:
+            yield _sse(protocol.chunk(rid, name, [{"index": 0, "delta": {"role": "assistant",
+                       "content": ""}, "finish_reason": None, "logprobs": None}], chat))
+        left = len(stream.seqs)
+        while left:
+            index, delta, reason = await stream.queue.get()
+            if reason in FAILURES:
+                seq = stream.seqs[index]
+                yield _sse(error_body(_failure_message(server, seq), "server_error"))
+                return
+            if delta or reason:
+                yield _sse(protocol.chunk(rid, name, [protocol.choice(index, delta, reason, chat,
+                                                                      True)], chat))
+            left -= reason is not None
+        yield "data: [DONE]\n\n"
+    finally:  # the client is gone or the stream ended: free the slots either way
+        stream.cancel()
+
+
+def _failure_message(server: Server, seq: Sequence) -> str:
+    if seq.finish_reason == "timeout":
+        return f"the request ran past the server's request timeout ({server.request_timeout} s)"
+    if seq.finish_reason == "cancelled":
+        return "the server is shutting down"
+    return "generation failed on the server (see its log)"
+
+
+async def _collect(server: Server, stream: _Stream, request: Request) -> list[str]:
+    """Waits for every sequence's end; a client that disconnects cancels them."""
+    reasons: list[str | None] = [None] * len(stream.seqs)
+    try:
+        while any(r is None for r in reasons):
+            try:
+                index, _, reason = await asyncio.wait_for(stream.queue.get(), 0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ApiError(499, "client closed the request") from None
+                continue
+            if reason is not None:
+                reasons[index] = reason
+                if reason in FAILURES:
+                    raise ApiError(FAILURES[reason], _failure_message(server, stream.seqs[index]),
+                                   "server_error")
+    finally:
+        stream.cancel()
+    return reasons  # type: ignore[return-value]
+
+
+async def _respond(server: Server, request: Request, body, prompts: list[list[int]],
+                   max_tokens: int | None, chat: bool):
+    tok = server.tokenizer
+    stop_ids = tok.stop_ids if tok is not None else frozenset()
+    stream = _Stream(server, body.stops(), len(prompts))
+    _submit(server, stream, prompts, body, max_tokens, stop_ids)
+    rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+    if body.stream:
+        return StreamingResponse(_events(server, stream, rid, chat),
+                                 media_type="text/event-stream")
+    reasons = await _collect(server, stream, request)
+    choices = [protocol.choice(i, t.text, r, chat, False)
+               for i, (t, r) in enumerate(zip(stream.texts, reasons))]
+    return JSONResponse(protocol.completion(
+        rid, server.model_name, choices, sum(len(p) for p in prompts),
+        sum(len(s.tokens) for s in stream.seqs), chat))
+
+
+def _encode(server: Server, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt
+    if server.tokenizer is None:
+        raise ApiError(400, "this checkpoint has no tokenizer: send the prompt as token ids",
+                       param="prompt")
+    return server.tokenizer.encode(prompt)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    field = ".".join(loc) or "body"
+    got = e.get("input")
+    got = "" if isinstance(got, dict) else f" (got {json.dumps(got)[:60]})"
+    return f"{field}: {e.get('msg')}{got}", field
+
+
+def create_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if server.engine.thread is None:
+            server.engine.start()
+        yield
+        await asyncio.to_thread(server.engine.close)
+
+    app = FastAPI(title="llm_jax", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError):
+        message, field = _validation_message(exc)
+        return ApiError(400, message, param=field).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error")
+        return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+    @app.get("/health")
+    async def health():
+        engine = server.engine
+        ok = not engine.closed and engine.thread is not None and engine.thread.is_alive()
+        return JSONResponse({"status": "ok" if ok else "unavailable", **engine.stats()},
+                            200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                            "owned_by": "llm_jax"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        try:
+            prompts = [_encode(server, p) for p in body.prompts()]
+            body.stops()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return await _respond(server, request, body, prompts, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        if server.tokenizer is None:
+            raise ApiError(400, "this checkpoint has no tokenizer, so no chat template: use "
+                           "/v1/completions with token ids")
+        try:
+            text = server.tokenizer.render([m.as_dict() for m in body.messages])
+            body.stops()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except Exception as e:  # a template's raise_exception (e.g. roles out of order)
+            raise ApiError(400, f"the chat template refused these messages: {e}",
+                           param="messages") from None
+        return await _respond(server, request, body, [server.tokenizer.encode(text)],
+                              body.limit(), chat=True)
+
+    return app
