@@ -25,7 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.train.weight_decay = 0.0
     cfg.train.load_balancing_loss_weight = 0.0  # keep the pretrained router as it is
     cfg.train.router_z_loss_weight = 0.0
-    cfg.train.eval_every_steps = 0
+    cfg.train.eval_every_steps = 200  # val_loss on the held-out conversations
     cfg.train.num_samples = 0
     cfg.checkpoint.every_steps = 200
     return cfg

@@ -7,6 +7,12 @@ prefixes: message i's span runs from the end of `render(messages[:i], add_genera
 where `render(messages[:i+1])` stops agreeing with the full rendering, and a token is an
 assistant token when its first character lies in a span.
 
+Held out: a conversation is validation when the hash of its canonical JSON falls below
+`sft.validation_fraction` (at least one when the fraction is > 0, never all): the same split on
+every machine and in any file order, whatever the process count. Sharded like pretraining data:
+every process reads the conversations (lines are cheap), then renders, tokenizes and packs only
+its contiguous 1/P share of each split, and serves batches of train.batch_size / P rows.
+
 Batch (T = seq_len): inputs, targets int32 [B, T]; positions int32 [B, T] (from 0 in each
 example); segment_ids int32 [B, T] (1, 2, ... per example in a row; 0 = padding); loss_mask
 float32 [B, T] (1 where the target is an assistant token).
@@ -27,6 +33,7 @@ import numpy as np
 from absl import logging
 
 from llm_jax.data.hf_tokenizer import HFTokenizer, Message
+from llm_jax.data.local_text import path_hash_fraction, split_shares
 from llm_jax.data.resume import TaggedIterator, check_saved_state
 
 
@@ -154,6 +161,28 @@ def pack(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int) -> dic
     return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "fill"} if rows else {}
 
 
+def split_conversations(convs: Sequence[list[Message]], validation_fraction: float
+                        ) -> tuple[list[list[Message]], list[list[Message]]]:
+    """(train, validation) by the hash of each conversation's canonical JSON (module doc), each
+    in reading order."""
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"sft.validation_fraction={validation_fraction!r} is invalid: expected "
+                         "a fraction in [0, 1)")
+    keys = [path_hash_fraction(json.dumps(m, sort_keys=True, ensure_ascii=False)) for m in convs]
+    n_val = sum(k < validation_fraction for k in keys)
+    if validation_fraction > 0 and len(convs) >= 2:
+        n_val = min(max(n_val, 1), len(convs) - 1)
+    held = set(sorted(range(len(convs)), key=keys.__getitem__)[:n_val])
+    return ([m for i, m in enumerate(convs) if i not in held],
+            [m for i, m in enumerate(convs) if i in held])
+
+
+def _empty_rows(batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
+    """A batch of padding only (segment 0, loss mask 0): it adds nothing to any eval sum."""
+    return {k: np.zeros((batch_size, seq_len), np.float32 if k == "loss_mask" else np.int32)
+            for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class SFTData:
     """What the trainer needs (the same fields it reads from `pipeline.Data`)."""
@@ -161,13 +190,15 @@ class SFTData:
     train_iter: grain.DatasetIterator
     tokenizer: HFTokenizer
     name: str
-    rows: dict[str, np.ndarray]
+    rows: dict[str, np.ndarray]  # this process's packed train rows
+    eval_rows: dict[str, np.ndarray]  # this process's packed validation rows ({} if none)
     bad_lines: BadLines
-    _batch_size: int
+    batch_size: int  # per process
+    process_count: int
 
     def check_checkpoint(self, step_dir: str) -> None:
         """Raises ValueError if the data state saved in `step_dir` was not made by these rows
-        (another file, seq_len, batch size, seed or process count)."""
+        (another file, seq_len, batch size, seed, split or process count)."""
         check_saved_state(os.path.join(step_dir, "data"), self.train_iter.identity)
 
     @property
@@ -176,38 +207,73 @@ class SFTData:
         return {k: v.dtype for k, v in self.rows.items()}
 
     def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-        """The first `num_batches` batches of the packed rows, unshuffled (no held-out split)."""
-        n = len(self.rows["inputs"]) // self._batch_size
-        for i in range(n if num_batches is None else min(n, num_batches)):
-            sl = slice(i * self._batch_size, (i + 1) * self._batch_size)
-            yield {k: v[sl] for k, v in self.rows.items()}
+        """The first `num_batches` batches of this process's held-out rows, unshuffled, padded
+        with empty batches where the share is shorter, so every process runs the same number
+        (None = the whole share: one process only). Nothing when nothing is held out."""
+        if not self.eval_rows:
+            return
+        n = -(-len(self.eval_rows["inputs"]) // self.batch_size)
+        if num_batches is None and self.process_count > 1:
+            raise ValueError("make_eval_iter(None) reads each process's whole share, a "
+                             "different number of batches per process: pass num_batches")
+        seq_len = self.eval_rows["inputs"].shape[1]
+        for i in range(n if num_batches is None else num_batches):
+            batch = _empty_rows(self.batch_size, seq_len)
+            part = {k: v[i * self.batch_size:(i + 1) * self.batch_size]
+                    for k, v in self.eval_rows.items()}
+            for k, v in part.items():
+                batch[k][:len(v)] = v
+            yield batch
 
 
 def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: int,
-                  seed: int) -> SFTData:
-    """Reads, renders, masks and packs the whole SFT set (small next to pretraining data), then
-    serves shuffled batches through Grain so the iterator checkpoints with the run."""
+                  seed: int, process_index: int | None = None,
+                  process_count: int | None = None) -> SFTData:
+    """Reads the SFT set, holds out `sft.validation_fraction` of it, renders, masks and packs
+    this process's share of each split, then serves shuffled batches of `batch_size` /
+    process_count rows through Grain, so the iterator checkpoints with the run. `batch_size` is
+    the global batch (train.batch_size)."""
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if batch_size % process_count:
+        raise ValueError(f"train.batch_size={batch_size} is not divisible by the process count "
+                         f"{process_count}")
+    local_batch = batch_size // process_count
     tok = HFTokenizer(tokenizer_path)
     bad = BadLines()
     if sft.tfds_name:
         convs, name = read_tfds(sft.tfds_name, sft.tfds_split, sft.data_dir), sft.tfds_name
     else:
         convs, name = read_jsonl(sft.files, sft.on_bad_line, bad), sft.files
-    examples = [tokenize_conversation(tok, m) for m in convs]
+    fraction = float(sft.get("validation_fraction", 0.0))
+    train, held = split_conversations(list(convs), fraction)
     if bad.count:
         logging.warning("skipped %d malformed SFT line(s), e.g. %s", bad.count, bad.first)
-    rows = pack(examples, seq_len)
-    if not rows or len(rows["inputs"]) < batch_size:
+
+    def share(split: list[list[Message]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        first, stop = split_shares(len(split), process_count)[process_index]
+        return [tokenize_conversation(tok, m) for m in split[first:stop]]
+
+    rows, eval_rows = pack(share(train), seq_len), pack(share(held), seq_len)
+    if not rows or len(rows["inputs"]) < local_batch:
         raise ValueError(f"SFT data {name!r} packs into {len(rows.get('inputs', []))} rows of "
-                         f"{seq_len} tokens: fewer than train.batch_size={batch_size}")
-    logging.info("SFT data %s: %d conversations in %d rows; %.1f%% of targets are assistant "
-                 "tokens", name, len(examples), len(rows["inputs"]),
+                         f"{seq_len} tokens for process {process_index} of {process_count}: "
+                         f"fewer than its batch of {local_batch} (train.batch_size="
+                         f"{batch_size})")
+    if fraction > 0 and not eval_rows:
+        logging.warning("SFT data %r: sft.validation_fraction=%s holds out no conversation "
+                        "for process %d: no val_loss", name, fraction, process_index)
+    logging.info("SFT data %s: %d train / %d held-out conversations; process %d of %d packs "
+                 "%d train rows; %.1f%% of targets are assistant tokens", name, len(train),
+                 len(held), process_index, process_count, len(rows["inputs"]),
                  100 * rows["loss_mask"].mean())
     ds = (grain.MapDataset.range(len(rows["inputs"])).shuffle(seed=seed).repeat()
           .map(lambda i: {k: v[i] for k, v in rows.items()})
-          .batch(batch_size, drop_remainder=True).to_iter_dataset())
+          .batch(local_batch, drop_remainder=True).to_iter_dataset())
     # The saved iterator state is only meaningful for these same rows in this order.
     identity = {"dataset": f"sft:{name}", "rows": len(rows["inputs"]), "seq_len": seq_len,
                 "batch_size": batch_size, "shuffle_seed": seed,
-                "process_index": jax.process_index(), "process_count": jax.process_count()}
-    return SFTData(TaggedIterator(iter(ds), identity), tok, name, rows, bad, batch_size)
+                "validation_fraction": fraction,
+                "process_index": process_index, "process_count": process_count}
+    return SFTData(TaggedIterator(iter(ds), identity), tok, name, rows, eval_rows, bad,
+                   local_batch, process_count)

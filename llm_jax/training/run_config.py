@@ -91,6 +91,7 @@ def _sft() -> ml_collections.ConfigDict:
     c.data_dir = ""  # TFDS data_dir; "" = TFDS's default
     c.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
     c.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
+    c.validation_fraction = 0.05  # conversations held out (by hash) for val_loss; 0 = none
     return c
 
 

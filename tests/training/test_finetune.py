@@ -28,7 +28,11 @@ from flax import nnx  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
 from llm_jax.data.hf_tokenizer import HFTokenizer  # noqa: E402
-from llm_jax.data.sft import make_sft_data, tokenize_conversation  # noqa: E402
+from llm_jax.data.sft import (  # noqa: E402
+    make_sft_data,
+    split_conversations,
+    tokenize_conversation,
+)
 from llm_jax.export import export  # noqa: E402
 from llm_jax.model.lora import LoRAParam, add_lora  # noqa: E402
 from llm_jax.training.finetune import restore_finetuned  # noqa: E402
@@ -114,7 +118,8 @@ def _losses(workdir: Path) -> list[float]:
 
 
 def _assistant_loss(model: nnx.Module, ckpt: Path, jsonl: Path) -> float:
-    """Mean loss over every assistant target of the whole test set (the same batches)."""
+    """Mean loss over every assistant target of the held-out conversations (the same
+    batches)."""
     data = make_sft_data(_config("finetune_full", ckpt, jsonl).sft, tokenizer_path=str(ckpt),
                          seq_len=64, batch_size=2, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -139,6 +144,40 @@ def test_assistant_spans_and_packing(ckpt, jsonl):
     starts = np.flatnonzero(np.diff(seg, prepend=0) != 0)
     assert all(pos[s] == 0 for s in starts if seg[s])  # each example's positions start at 0
     assert np.all(rows["loss_mask"][rows["segment_ids"] == 0] == 0)
+
+
+def test_sft_holds_out_conversations_by_hash_and_shards_each_split_across_processes(ckpt, jsonl):
+    sft = _config("finetune_full", ckpt, jsonl).sft
+    convs = [c["messages"] for c in _conversations()]
+    train, held = split_conversations(convs, 0.2)
+    # By content, not position: the same split in any order; none held out at 0.
+    train_r, held_r = split_conversations(convs[::-1], 0.2)
+    assert sorted(map(str, held)) == sorted(map(str, held_r)) and 1 <= len(held) < len(convs)
+    assert split_conversations(convs, 0.0) == (convs, [])
+    with pytest.raises(ValueError, match="sft.validation_fraction=1.0 is invalid"):
+        split_conversations(convs, 1.0)
+
+    sft.validation_fraction = 0.2
+    one = make_sft_data(sft, tokenizer_path=str(ckpt), seq_len=64, batch_size=4, seed=0,
+                        process_index=0, process_count=1)
+    two = [make_sft_data(sft, tokenizer_path=str(ckpt), seq_len=64, batch_size=4, seed=0,
+                         process_index=i, process_count=2) for i in range(2)]
+    # Each process packs its own share: together they hold exactly the single process's
+    # assistant targets, train and held out apart; each serves half the global batch.
+    for rows in ("rows", "eval_rows"):
+        total = sum(float(getattr(d, rows)["loss_mask"].sum()) for d in two)
+        assert total == float(getattr(one, rows)["loss_mask"].sum()) > 0
+    assert [d.batch_size for d in two] == [2, 2] and one.batch_size == 4
+    assert next(two[1].train_iter)["inputs"].shape == (2, 64)
+    assert two[0].train_iter.identity != two[1].train_iter.identity
+    # Every process runs the asked number of eval batches, padded with empty ones.
+    batches = list(two[0].make_eval_iter(5))
+    assert len(batches) == 5 and batches[-1]["segment_ids"].max() == 0
+    with pytest.raises(ValueError, match="pass num_batches"):
+        list(two[0].make_eval_iter())
+    with pytest.raises(ValueError, match="train.batch_size=3 is not divisible by the process"):
+        make_sft_data(sft, tokenizer_path=str(ckpt), seq_len=64, batch_size=3, seed=0,
+                      process_index=0, process_count=2)
 
 
 def test_masked_targets_get_no_gradient(ckpt, jsonl):
