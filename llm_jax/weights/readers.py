@@ -105,11 +105,12 @@ def _check_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
         if name in store:
             _check_tensor(store, name, spec.src_shape, False, source, cfg, names)
             used.add(name)
-        elif spec.mxfp4 is not None and name + spec.mxfp4[0] in store:
+        elif spec.mxfp4 is not None and any(name + x in store for x in spec.mxfp4):
             for suffix, shape in zip(spec.mxfp4, packed_shapes(spec)):
                 if name + suffix not in store:
-                    raise ValueError(f"checkpoint has {name + spec.mxfp4[0]!r} but not its "
-                                     f"{name + suffix!r} (MXFP4 comes as blocks and scales)")
+                    have = next(name + x for x in spec.mxfp4 if name + x in store)
+                    raise ValueError(f"checkpoint has {have!r} (in {store.info(have).file}) but "
+                                     f"not {name + suffix!r}: MXFP4 comes as blocks and scales")
                 _check_tensor(store, name + suffix, shape, True, source, cfg, names)
                 used.add(name + suffix)
         else:
@@ -180,12 +181,13 @@ def _read_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
     return params
 
 
-def _stored_expert_format(store: TensorStore, specs: Layout) -> str:
-    """'mxfp4' when every expert stack of the checkpoint is MXFP4-packed (then the model keeps
-    them packed unless asked for expert_format='dense'), else 'dense'."""
+def _stored_expert_format(store: TensorStore, specs: Layout, cfg: ModelConfig) -> str:
+    """'mxfp4' when every expert stack of every layer is MXFP4-packed (then the model keeps them
+    packed unless asked for expert_format='dense'), else 'dense' (a checkpoint packed in some
+    layers only is dequantized, exactly, rather than quantizing the rest)."""
     packed = [s for s in specs[1] if s.mxfp4 is not None]
-    return "mxfp4" if packed and all(s.src.format(n=0) + s.mxfp4[0] in store
-                                     for s in packed) else "dense"
+    return "mxfp4" if packed and all(s.src.format(n=n) + s.mxfp4[0] in store for s in packed
+                                     for n in range(cfg.num_hidden_layers)) else "dense"
 
 
 def _is_llm_jax(root: Path) -> bool:
@@ -309,8 +311,9 @@ def _llm_jax_params(root: Path, cfg: ModelConfig,
     if missing:
         raise ValueError(f"{root / LLM_JAX_PARAMS} is missing tensor(s) {missing[:5]}, which "
                          f"{root / LLM_JAX_CONFIG} implies")
-    for k, t in targets.items():  # every shape before the first read
-        _check_tensor(store, k, tuple(t.shape), False, root / LLM_JAX_CONFIG, cfg, {})
+    for k, t in targets.items():  # every shape before the first read; MXFP4 bytes are uint8
+        _check_tensor(store, k, tuple(t.shape), t.dtype == np.uint8, root / LLM_JAX_CONFIG,
+                      cfg, {})
     return {k: np.asarray(store.get(k)).astype(t.dtype) for k, t in targets.items()}
 
 
@@ -324,7 +327,13 @@ def _openai_config(root: Path) -> ModelConfig:
                 np.dtype(np.float16): "float16"}.get(dt)
         if name:
             cfg = cfg.replace(dtype=name, param_dtype=name)
-    return cfg.replace(expert_format=_stored_expert_format(store, openai_specs(cfg)))
+    return cfg.replace(expert_format=_stored_expert_format(store, openai_specs(cfg), cfg))
+
+
+def _hf_config(root: Path) -> ModelConfig:
+    cfg = hf_config_to_model_config(read_json_object(root / "config.json"),
+                                    str(root / "config.json"))
+    return cfg.replace(expert_format=_stored_expert_format(_hf_store(root), hf_specs(cfg), cfg))
 
 
 def _orbax_config(root: Path) -> ModelConfig:
@@ -352,10 +361,7 @@ def _openai_store(root: Path) -> TensorStore:
 FORMATS: dict[str, Format] = {
     "orbax": Format(_orbax_config, lambda root, cfg: None, _orbax_params),
     "llm_jax": Format(_llm_jax_config, _llm_jax_check, _llm_jax_params),
-    "hf": Format(
-        lambda root: hf_config_to_model_config(
-            read_json_object(root / "config.json"), str(root / "config.json")).replace(
-                expert_format=_stored_expert_format(_hf_store(root), hf_specs(ModelConfig()))),
+    "hf": Format(_hf_config,
         lambda root, cfg: _check_specs(_hf_store(root), hf_specs(cfg), cfg,
                                        root / "config.json", HF_NAMES),
         lambda root, cfg, t: _read_specs(_hf_store(root), hf_specs(cfg), cfg, t)),
