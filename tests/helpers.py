@@ -109,10 +109,11 @@ def batches(n, batch=16, seq=16, vocab=128, seed=0) -> list[dict[str, np.ndarray
 # ----------------------------------------------------------------- MXFP4 checkpoints on disk
 
 def write_mxfp4_checkpoint(root: Path, cfg: ModelConfig, layout: str, seed: int = 0,
-                           dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+                           dtype: str = "bfloat16", std: float = 0.5) -> dict[str, np.ndarray]:
     """A gpt-oss checkpoint of random weights in `layout` ("hf" or "openai") with MXFP4 experts,
     written with numpy + safetensors (no model is built): random bytes for the experts' blocks,
-    scales near 2^0, plain tensors normal in `dtype`. Returns what was written, by name."""
+    scales 2^-9 to 2^-4, plain tensors normal(0, `std`) in `dtype`. Returns what was written, by
+    name."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -125,14 +126,15 @@ def write_mxfp4_checkpoint(root: Path, cfg: ModelConfig, layout: str, seed: int 
     for spec, name in [(s, s.src) for s in top] + [
             (s, s.src.format(n=n)) for n in range(cfg.num_hidden_layers) for s in layer]:
         if spec.mxfp4 is None:  # OpenAI's fused qkv appears three times: written once
-            tensors[name] = (0.1 * rng.standard_normal(spec.src_shape)).astype(plain)
+            tensors[name] = (std * rng.standard_normal(spec.src_shape)).astype(plain)
             continue
         blocks_shape, scales_shape = layouts.packed_shapes(spec)
         tensors[name + spec.mxfp4[0]] = rng.integers(0, 256, blocks_shape, dtype=np.uint8)
         tensors[name + spec.mxfp4[1]] = rng.integers(118, 124, scales_shape, dtype=np.uint8)
     root.mkdir(parents=True, exist_ok=True)
     if layout == "hf":
-        config = configs.model_config_to_hf_config(cfg.replace(expert_format="mxfp4"))
+        config = configs.model_config_to_hf_config(
+            cfg.replace(expert_format="mxfp4", dtype=dtype, param_dtype=dtype))
         save_file(tensors, str(root / layouts.HF_WEIGHTS))
     else:
         config = configs.model_config_to_openai_config(cfg)
