@@ -102,15 +102,20 @@ def _check_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
     used: set[str] = set()
 
     def check(spec: TensorSpec, name: str, n: int | None) -> None:
+        packed = [name + x for x in spec.mxfp4 or () if name + x in store]
+        if name in store and packed:
+            raise ValueError(f"checkpoint has both {name!r} (in {store.info(name).file}) and "
+                             f"{packed[0]!r} (in {store.info(packed[0]).file}): a weight comes "
+                             "plain or as MXFP4 blocks and scales, not both")
         if name in store:
             _check_tensor(store, name, spec.src_shape, False, source, cfg, names)
             used.add(name)
-        elif spec.mxfp4 is not None and any(name + x in store for x in spec.mxfp4):
+        elif packed:
             for suffix, shape in zip(spec.mxfp4, packed_shapes(spec)):
                 if name + suffix not in store:
-                    have = next(name + x for x in spec.mxfp4 if name + x in store)
-                    raise ValueError(f"checkpoint has {have!r} (in {store.info(have).file}) but "
-                                     f"not {name + suffix!r}: MXFP4 comes as blocks and scales")
+                    raise ValueError(f"checkpoint has {packed[0]!r} (in "
+                                     f"{store.info(packed[0]).file}) but not {name + suffix!r}: "
+                                     "MXFP4 comes as blocks and scales")
                 _check_tensor(store, name + suffix, shape, True, source, cfg, names)
                 used.add(name + suffix)
         else:
@@ -127,7 +132,8 @@ def _check_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
     unused = sorted(set(store.names()) - used)
     if unused:
         raise ValueError(f"checkpoint has {len(unused)} tensor(s) that {source} does not "
-                         f"imply, e.g. {unused[:5]} (is the config that of these weights?)")
+                         f"imply, e.g. {unused[:5]} (in {store.info(unused[0]).file}; is the "
+                         "config that of these weights?)")
 
 
 def _read_spec(store: TensorStore, spec: TensorSpec, name: str, out: np.ndarray) -> None:
@@ -181,13 +187,23 @@ def _read_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
     return params
 
 
-def _stored_expert_format(store: TensorStore, specs: Layout, cfg: ModelConfig) -> str:
-    """'mxfp4' when every expert stack of every layer is MXFP4-packed (then the model keeps them
-    packed unless asked for expert_format='dense'), else 'dense' (a checkpoint packed in some
-    layers only is dequantized, exactly, rather than quantizing the rest)."""
-    packed = [s for s in specs[1] if s.mxfp4 is not None]
-    return "mxfp4" if packed and all(s.src.format(n=n) + s.mxfp4[0] in store for s in packed
-                                     for n in range(cfg.num_hidden_layers)) else "dense"
+def _with_stored_expert_format(cfg: ModelConfig, store: TensorStore, specs: Layout,
+                               source: Path) -> ModelConfig:
+    """`cfg` with expert_format 'mxfp4' when every expert stack of every layer is MXFP4-packed
+    (then the model keeps them packed unless asked for expert_format='dense'), else 'dense' (a
+    checkpoint packed in some layers only is dequantized, exactly, rather than quantizing the
+    rest)."""
+    stacks = [s for s in specs[1] if s.mxfp4 is not None]
+    # A generator: a hostile layer count stops at the first layer the files do not have.
+    if not stacks or not all(s.src.format(n=n) + s.mxfp4[0] in store for s in stacks
+                             for n in range(cfg.num_hidden_layers)):
+        return cfg.replace(expert_format="dense")
+    try:
+        return cfg.replace(expert_format="mxfp4")
+    except ValueError as e:  # a size MXFP4 cannot hold: name the file and a packed tensor
+        first = stacks[0].src.format(n=0) + stacks[0].mxfp4[0]
+        raise ValueError(f"{source}: {e}; but {first!r} in {store.info(first).file} "
+                         "is MXFP4") from None
 
 
 def _is_llm_jax(root: Path) -> bool:
@@ -327,13 +343,13 @@ def _openai_config(root: Path) -> ModelConfig:
                 np.dtype(np.float16): "float16"}.get(dt)
         if name:
             cfg = cfg.replace(dtype=name, param_dtype=name)
-    return cfg.replace(expert_format=_stored_expert_format(store, openai_specs(cfg), cfg))
+    return _with_stored_expert_format(cfg, store, openai_specs(cfg), path)
 
 
 def _hf_config(root: Path) -> ModelConfig:
-    cfg = hf_config_to_model_config(read_json_object(root / "config.json"),
-                                    str(root / "config.json"))
-    return cfg.replace(expert_format=_stored_expert_format(_hf_store(root), hf_specs(cfg), cfg))
+    path = root / "config.json"
+    cfg = hf_config_to_model_config(read_json_object(path), str(path))
+    return _with_stored_expert_format(cfg, _hf_store(root), hf_specs(cfg), path)
 
 
 def _orbax_config(root: Path) -> ModelConfig:
