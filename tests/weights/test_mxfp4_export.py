@@ -198,7 +198,7 @@ def test_convert_to_openai_of_dense_experts_says_what_openai_needs(tmp_path, cap
     err = capsys.readouterr().err
     assert "relative RMS error" in err and "note" not in err, err
     error = float(err.split("mlp.down_proj ")[1].split()[0].rstrip(","))
-    assert 0.01 < error < 0.2  # 4-bit values: a few percent, and reported as such
+    assert 0.05 < error < 0.2  # 4-bit values: ~12% on Gaussian weights, and reported as such
     assert load_pretrained(tmp_path / "packed").cfg.expert_format == "mxfp4"
 
 
