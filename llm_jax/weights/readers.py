@@ -60,7 +60,12 @@ from llm_jax.weights.layouts import (
     openai_specs,
     packed_shapes,
 )
-from llm_jax.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from llm_jax.weights.mxfp4 import (
+    dequantize_experts,
+    dequantize_mxfp4,
+    quantize_experts,
+    quantize_mxfp4,
+)
 from llm_jax.weights.safetensors_header import FLOAT_DTYPES
 from llm_jax.weights.tensor_store import TensorStore
 
@@ -296,6 +301,8 @@ class Format:
     config: Callable[[Path], ModelConfig]
     check: Callable[[Path, ModelConfig], None]
     params: Callable[[Path, ModelConfig, Mapping[str, jax.ShapeDtypeStruct]], dict[str, np.ndarray]]
+    # params() fills experts in either format; else the model is built as stored, then converted
+    any_expert_format: bool = True
 
 
 def _llm_jax_config(root: Path) -> ModelConfig:
@@ -375,8 +382,9 @@ def _openai_store(root: Path) -> TensorStore:
 
 
 FORMATS: dict[str, Format] = {
-    "orbax": Format(_orbax_config, lambda root, cfg: None, _orbax_params),
-    "llm_jax": Format(_llm_jax_config, _llm_jax_check, _llm_jax_params),
+    "orbax": Format(_orbax_config, lambda root, cfg: None, _orbax_params,
+                    any_expert_format=False),
+    "llm_jax": Format(_llm_jax_config, _llm_jax_check, _llm_jax_params, any_expert_format=False),
     "hf": Format(_hf_config,
         lambda root, cfg: _check_specs(_hf_store(root), hf_specs(cfg), cfg,
                                        root / "config.json", HF_NAMES),
@@ -411,7 +419,12 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, **overrides: 
     """
     fmt, root = detect_format(path)
     reader = FORMATS[fmt]
-    cfg = _apply_overrides(reader.config(root), dtype, overrides)
-    reader.check(root, cfg)  # the headers against the config, before a model is built from it
-    abstract = abstract_targets(cfg)
-    return model_from_params(cfg, reader.params(root, cfg, abstract[1]), abstract)
+    stored = reader.config(root)
+    cfg = _apply_overrides(stored, dtype, overrides)
+    built = cfg if reader.any_expert_format else cfg.replace(expert_format=stored.expert_format)
+    reader.check(root, built)  # the headers against the config, before a model is built from it
+    abstract = abstract_targets(built)
+    model = model_from_params(built, reader.params(root, built, abstract[1]), abstract)
+    if cfg.expert_format == "dense":  # both no-ops unless the format had to be converted
+        return dequantize_experts(model)
+    return quantize_experts(model)[0]

@@ -134,6 +134,24 @@ def test_sharded_hf_export_keeps_the_bytes(source, tmp_path):
                       mxfp4_tensors(dirs["openai"], cfg.num_hidden_layers))
 
 
+def test_llm_jax_checkpoint_loads_in_either_expert_format(tmp_path):
+    cfg = CONFIGS["top2"]
+    write_mxfp4_checkpoint(tmp_path / "src", cfg, "hf")
+    packed = load_pretrained(tmp_path / "src")
+    dense = flat.flat_params(load_pretrained(tmp_path / "src", expert_format="dense"))
+    writers.save_llm_jax(packed, tmp_path / "packed")
+    got = flat.flat_params(load_pretrained(tmp_path / "packed", expert_format="dense"))
+    assert sorted(got) == sorted(dense)
+    for k in dense:
+        np.testing.assert_array_equal(got[k], dense[k], err_msg=k)
+    writers.save_llm_jax(mxfp4.dequantize_experts(packed), tmp_path / "dense")
+    again = load_pretrained(tmp_path / "dense", expert_format="mxfp4")
+    assert again.cfg.expert_format == "mxfp4"  # quantized, exactly: these values are MXFP4's
+    got = flat.flat_params(mxfp4.dequantize_experts(again))
+    for k in dense:
+        np.testing.assert_array_equal(got[k], dense[k], err_msg=k)
+
+
 # ---------------------------------------------------------------------- the convert CLI
 def test_convert_chain_through_every_layout_keeps_the_bytes(tmp_path):
     cfg = CONFIGS["top4"]
