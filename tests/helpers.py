@@ -145,3 +145,40 @@ def make_checkpoint(d: Path, seed: int = 0) -> Path:
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
     save_llm_jax(init_model(CHECKPOINT_MODEL, seed=seed), d)
     return d
+
+
+# ----------------------------------------------------------------- MXFP4 checkpoints on disk
+
+def write_mxfp4_checkpoint(root: Path, cfg: ModelConfig, layout: str, seed: int = 0,
+                           dtype: str = "bfloat16", std: float = 0.5) -> dict[str, np.ndarray]:
+    """A gpt-oss checkpoint of random weights in `layout` ("hf" or "openai") with MXFP4 experts,
+    written with numpy + safetensors (no model is built): random bytes for the experts' blocks,
+    scales 2^-9 to 2^-4, plain tensors normal(0, `std`) in `dtype`. Returns what was written, by
+    name."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from llm_jax.weights import configs, layouts
+
+    rng = np.random.default_rng(seed)
+    top, layer = (layouts.hf_specs if layout == "hf" else layouts.openai_specs)(cfg)
+    tensors: dict[str, np.ndarray] = {}
+    plain = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    for spec, name in [(s, s.src) for s in top] + [
+            (s, s.src.format(n=n)) for n in range(cfg.num_hidden_layers) for s in layer]:
+        if spec.mxfp4 is None:  # OpenAI's fused qkv appears three times: written once
+            tensors[name] = (std * rng.standard_normal(spec.src_shape)).astype(plain)
+            continue
+        blocks_shape, scales_shape = layouts.packed_shapes(spec)
+        tensors[name + spec.mxfp4[0]] = rng.integers(0, 256, blocks_shape, dtype=np.uint8)
+        tensors[name + spec.mxfp4[1]] = rng.integers(118, 124, scales_shape, dtype=np.uint8)
+    root.mkdir(parents=True, exist_ok=True)
+    if layout == "hf":
+        config = configs.model_config_to_hf_config(
+            cfg.replace(expert_format="mxfp4", dtype=dtype, param_dtype=dtype))
+        save_file(tensors, str(root / layouts.HF_WEIGHTS))
+    else:
+        config = configs.model_config_to_openai_config(cfg)
+        save_file(tensors, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    return tensors

@@ -15,7 +15,6 @@ import numpy as np
 
 from llm_jax.config import ModelConfig
 from llm_jax.model.mxfp4 import MXFP4_BLOCK
-from llm_jax.weights.mxfp4 import quantize_mxfp4
 
 # File names of the formats.
 LLM_JAX_CONFIG = "config.json"
@@ -144,11 +143,10 @@ def packed_shapes(spec: TensorSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (e, d_out, g, MXFP4_BLOCK // 2), (e, d_out, g)
 
 
-def write_specs(flat: Mapping[str, np.ndarray], specs: Layout, cfg: ModelConfig, *,
-                quantize_experts: bool = False) -> dict[str, np.ndarray]:
+def write_specs(flat: Mapping[str, np.ndarray], specs: Layout,
+                cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Checkpoint tensors from flat params. Packed expert stacks (`<key>_blocks` / `_scales`)
-    are written as their bytes; dense ones as they are, or with `quantize_experts` as MXFP4
-    (round to nearest, one expert at a time: lossy, the caller's choice)."""
+    are written as their bytes (bitwise what was read), dense ones as they are."""
     top, layer = specs
     out = {s.src: s.to_checkpoint(flat[s.key]) for s in top}
     for s in layer:
@@ -158,10 +156,6 @@ def write_specs(flat: Mapping[str, np.ndarray], specs: Layout, cfg: ModelConfig,
             if s.mxfp4 is not None and key + "_blocks" in flat:
                 out[name + s.mxfp4[0]] = flat[key + "_blocks"][n]
                 out[name + s.mxfp4[1]] = flat[key + "_scales"][n]
-            elif s.mxfp4 is not None and quantize_experts:
-                packed = [quantize_mxfp4(np.swapaxes(w, -1, -2)) for w in flat[key][n]]
-                out[name + s.mxfp4[0]] = np.stack([b for b, _ in packed])
-                out[name + s.mxfp4[1]] = np.stack([sc for _, sc in packed])
             else:
                 out[name] = s.to_checkpoint(flat[key][n])
     return out

@@ -1,18 +1,23 @@
 """MXFP4 on the host (numpy): dequantizing a checkpoint's packed experts when a user asks for a
 dense model, and quantizing dense experts (an explicit, lossy choice: a merged QLoRA export, or
-an OpenAI-layout export of a dense model). The format and its in-model unpacking are
+an OpenAI-layout export of a dense model); and the same for a whole model's expert stacks
+(`dequantize_experts`, `quantize_experts`). The format and its in-model unpacking are
 model/mxfp4.py; docs/model.md, "MXFP4".
 
-Shapes: G blocks of 32 values, stored as 16 bytes (two 4-bit codes each) and one scale byte.
+Shapes: L layers, E experts, I input (the quantized axis), O output; G blocks of 32 values,
+stored as 16 bytes (two 4-bit codes each) and one scale byte.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from llm_jax.model.mxfp4 import FP4_VALUES, MXFP4_BLOCK, SCALE_BIAS
+from llm_jax.weights.flat import abstract_targets, flat_params, model_from_params
 
 
 def check_packed(blocks: np.ndarray, scales: np.ndarray, what: str = "MXFP4") -> None:
@@ -79,3 +84,55 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     code = (code | np.where(np.signbit(blocks_G32), 8, 0)).astype(np.uint8)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed.astype(np.uint8), (k + SCALE_BIAS).astype(np.uint8)
+
+
+def quantize_experts(model: nnx.Module) -> tuple[nnx.Module, dict[str, float]]:
+    """A dense model's expert stacks as MXFP4 (lossy: round to nearest, `quantize_mxfp4`):
+    (the model with expert_format='mxfp4', {stack: relative RMS error ||q(w) - w|| / ||w||
+    over all layers}). A packed model comes back as it is, with no errors."""
+    cfg = model.cfg
+    if cfg.expert_format == "mxfp4":
+        return model, {}
+    packed_cfg = cfg.replace(expert_format="mxfp4")  # ValueError names a size MXFP4 cannot hold
+    flat = flat_params(model)
+    abstract = abstract_targets(packed_cfg)
+    targets = abstract[1]
+    params, errors = {}, {}
+    for key, t in targets.items():
+        if key in flat:
+            params[key] = flat[key]
+        elif key.endswith("_blocks"):
+            stack = key.removesuffix("_blocks")
+            w_LEIO = flat[stack]
+            blocks = params[key] = np.empty(t.shape, np.uint8)
+            scales = params[stack + "_scales"] = np.empty(targets[stack + "_scales"].shape,
+                                                          np.uint8)
+            err = ref = 0.0
+            for n, e in np.ndindex(*w_LEIO.shape[:2]):  # one expert at a time: bounded temporaries
+                w_OI = np.swapaxes(w_LEIO[n, e].astype(np.float32), -1, -2)
+                blocks[n, e], scales[n, e] = quantize_mxfp4(w_OI)
+                err += float(np.sum((dequantize_mxfp4(blocks[n, e], scales[n, e]) - w_OI) ** 2))
+                ref += float(np.sum(w_OI ** 2))
+            errors[stack.removeprefix("layers.")] = math.sqrt(err / ref) if ref else 0.0
+    return model_from_params(packed_cfg, params, abstract), errors
+
+
+def dequantize_experts(model: nnx.Module) -> nnx.Module:
+    """A packed model's expert stacks dense, as the model with expert_format='dense' (exact in
+    float32 and bfloat16: an E2M1 value times a power of two); a dense model as it is."""
+    cfg = model.cfg
+    if cfg.expert_format == "dense":
+        return model
+    dense_cfg = cfg.replace(expert_format="dense")
+    flat = flat_params(model)
+    abstract = abstract_targets(dense_cfg)
+    params = {}
+    for key, t in abstract[1].items():
+        if key in flat:
+            params[key] = flat[key]
+            continue
+        blocks, scales = flat[key + "_blocks"], flat[key + "_scales"]  # [L, E, O, G, 16]
+        w = params[key] = np.empty(t.shape, t.dtype)  # [L, E, I, O]
+        for n, e in np.ndindex(*blocks.shape[:2]):
+            w[n, e] = dequantize_mxfp4(blocks[n, e], scales[n, e]).T.astype(t.dtype)
+    return model_from_params(dense_cfg, params, abstract)

@@ -60,7 +60,12 @@ from llm_jax.weights.layouts import (
     openai_specs,
     packed_shapes,
 )
-from llm_jax.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from llm_jax.weights.mxfp4 import (
+    dequantize_experts,
+    dequantize_mxfp4,
+    quantize_experts,
+    quantize_mxfp4,
+)
 from llm_jax.weights.safetensors_header import FLOAT_DTYPES
 from llm_jax.weights.tensor_store import TensorStore
 
@@ -102,14 +107,20 @@ def _check_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
     used: set[str] = set()
 
     def check(spec: TensorSpec, name: str, n: int | None) -> None:
+        packed = [name + x for x in spec.mxfp4 or () if name + x in store]
+        if name in store and packed:
+            raise ValueError(f"checkpoint has both {name!r} (in {store.info(name).file}) and "
+                             f"{packed[0]!r} (in {store.info(packed[0]).file}): a weight comes "
+                             "plain or as MXFP4 blocks and scales, not both")
         if name in store:
             _check_tensor(store, name, spec.src_shape, False, source, cfg, names)
             used.add(name)
-        elif spec.mxfp4 is not None and name + spec.mxfp4[0] in store:
+        elif packed:
             for suffix, shape in zip(spec.mxfp4, packed_shapes(spec)):
                 if name + suffix not in store:
-                    raise ValueError(f"checkpoint has {name + spec.mxfp4[0]!r} but not its "
-                                     f"{name + suffix!r} (MXFP4 comes as blocks and scales)")
+                    raise ValueError(f"checkpoint has {packed[0]!r} (in "
+                                     f"{store.info(packed[0]).file}) but not {name + suffix!r}: "
+                                     "MXFP4 comes as blocks and scales")
                 _check_tensor(store, name + suffix, shape, True, source, cfg, names)
                 used.add(name + suffix)
         else:
@@ -126,7 +137,8 @@ def _check_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
     unused = sorted(set(store.names()) - used)
     if unused:
         raise ValueError(f"checkpoint has {len(unused)} tensor(s) that {source} does not "
-                         f"imply, e.g. {unused[:5]} (is the config that of these weights?)")
+                         f"imply, e.g. {unused[:5]} (in {store.info(unused[0]).file}; is the "
+                         "config that of these weights?)")
 
 
 def _read_spec(store: TensorStore, spec: TensorSpec, name: str, out: np.ndarray) -> None:
@@ -180,12 +192,23 @@ def _read_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
     return params
 
 
-def _stored_expert_format(store: TensorStore, specs: Layout) -> str:
-    """'mxfp4' when every expert stack of the checkpoint is MXFP4-packed (then the model keeps
-    them packed unless asked for expert_format='dense'), else 'dense'."""
-    packed = [s for s in specs[1] if s.mxfp4 is not None]
-    return "mxfp4" if packed and all(s.src.format(n=0) + s.mxfp4[0] in store
-                                     for s in packed) else "dense"
+def _with_stored_expert_format(cfg: ModelConfig, store: TensorStore, specs: Layout,
+                               source: Path) -> ModelConfig:
+    """`cfg` with expert_format 'mxfp4' when every expert stack of every layer is MXFP4-packed
+    (then the model keeps them packed unless asked for expert_format='dense'), else 'dense' (a
+    checkpoint packed in some layers only is dequantized, exactly, rather than quantizing the
+    rest)."""
+    stacks = [s for s in specs[1] if s.mxfp4 is not None]
+    # A generator: a hostile layer count stops at the first layer the files do not have.
+    if not stacks or not all(s.src.format(n=n) + s.mxfp4[0] in store for s in stacks
+                             for n in range(cfg.num_hidden_layers)):
+        return cfg.replace(expert_format="dense")
+    try:
+        return cfg.replace(expert_format="mxfp4")
+    except ValueError as e:  # a size MXFP4 cannot hold: name the file and a packed tensor
+        first = stacks[0].src.format(n=0) + stacks[0].mxfp4[0]
+        raise ValueError(f"{source}: {e}; but {first!r} in {store.info(first).file} "
+                         "is MXFP4") from None
 
 
 def _is_llm_jax(root: Path) -> bool:
@@ -278,6 +301,8 @@ class Format:
     config: Callable[[Path], ModelConfig]
     check: Callable[[Path, ModelConfig], None]
     params: Callable[[Path, ModelConfig, Mapping[str, jax.ShapeDtypeStruct]], dict[str, np.ndarray]]
+    # params() fills experts in either format; else the model is built as stored, then converted
+    any_expert_format: bool = True
 
 
 def _llm_jax_config(root: Path) -> ModelConfig:
@@ -309,8 +334,9 @@ def _llm_jax_params(root: Path, cfg: ModelConfig,
     if missing:
         raise ValueError(f"{root / LLM_JAX_PARAMS} is missing tensor(s) {missing[:5]}, which "
                          f"{root / LLM_JAX_CONFIG} implies")
-    for k, t in targets.items():  # every shape before the first read
-        _check_tensor(store, k, tuple(t.shape), False, root / LLM_JAX_CONFIG, cfg, {})
+    for k, t in targets.items():  # every shape before the first read; MXFP4 bytes are uint8
+        _check_tensor(store, k, tuple(t.shape), t.dtype == np.uint8, root / LLM_JAX_CONFIG,
+                      cfg, {})
     return {k: np.asarray(store.get(k)).astype(t.dtype) for k, t in targets.items()}
 
 
@@ -324,7 +350,13 @@ def _openai_config(root: Path) -> ModelConfig:
                 np.dtype(np.float16): "float16"}.get(dt)
         if name:
             cfg = cfg.replace(dtype=name, param_dtype=name)
-    return cfg.replace(expert_format=_stored_expert_format(store, openai_specs(cfg)))
+    return _with_stored_expert_format(cfg, store, openai_specs(cfg), path)
+
+
+def _hf_config(root: Path) -> ModelConfig:
+    path = root / "config.json"
+    cfg = hf_config_to_model_config(read_json_object(path), str(path))
+    return _with_stored_expert_format(cfg, _hf_store(root), hf_specs(cfg), path)
 
 
 def _orbax_config(root: Path) -> ModelConfig:
@@ -350,12 +382,10 @@ def _openai_store(root: Path) -> TensorStore:
 
 
 FORMATS: dict[str, Format] = {
-    "orbax": Format(_orbax_config, lambda root, cfg: None, _orbax_params),
-    "llm_jax": Format(_llm_jax_config, _llm_jax_check, _llm_jax_params),
-    "hf": Format(
-        lambda root: hf_config_to_model_config(
-            read_json_object(root / "config.json"), str(root / "config.json")).replace(
-                expert_format=_stored_expert_format(_hf_store(root), hf_specs(ModelConfig()))),
+    "orbax": Format(_orbax_config, lambda root, cfg: None, _orbax_params,
+                    any_expert_format=False),
+    "llm_jax": Format(_llm_jax_config, _llm_jax_check, _llm_jax_params, any_expert_format=False),
+    "hf": Format(_hf_config,
         lambda root, cfg: _check_specs(_hf_store(root), hf_specs(cfg), cfg,
                                        root / "config.json", HF_NAMES),
         lambda root, cfg, t: _read_specs(_hf_store(root), hf_specs(cfg), cfg, t)),
@@ -389,7 +419,12 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, **overrides: 
     """
     fmt, root = detect_format(path)
     reader = FORMATS[fmt]
-    cfg = _apply_overrides(reader.config(root), dtype, overrides)
-    reader.check(root, cfg)  # the headers against the config, before a model is built from it
-    abstract = abstract_targets(cfg)
-    return model_from_params(cfg, reader.params(root, cfg, abstract[1]), abstract)
+    stored = reader.config(root)
+    cfg = _apply_overrides(stored, dtype, overrides)
+    built = cfg if reader.any_expert_format else cfg.replace(expert_format=stored.expert_format)
+    reader.check(root, built)  # the headers against the config, before a model is built from it
+    abstract = abstract_targets(built)
+    model = model_from_params(built, reader.params(root, built, abstract[1]), abstract)
+    if cfg.expert_format == "dense":  # both no-ops unless the format had to be converted
+        return dequantize_experts(model)
+    return quantize_experts(model)[0]

@@ -1,9 +1,10 @@
 """Writing model checkpoints: llm_jax (`config.json` + `params.safetensors`, the params
 bitwise), Hugging Face gpt-oss (sharded past a size) and OpenAI gpt-oss, from the layout tables
 of layouts.py. Packed MXFP4 experts are written as the bytes the model holds (bitwise what was
-read, for weights not trained). OpenAI's own loader (`gpt_oss` on PyPI) reads MoE weights only
-as MXFP4: `quantize_experts=True` writes dense experts as MXFP4 (lossy; the relative error of
-each stack is logged), which an export of a model loaded packed never needs."""
+read, for weights not trained). OpenAI's own loader (`gpt_oss.torch.weights.Checkpoint` on PyPI)
+reads MoE weights only as MXFP4: `quantize_experts=True` writes dense experts as MXFP4 (lossy,
+`mxfp4.quantize_experts`; the relative error of each stack is logged), which an export of a
+model loaded packed never needs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from llm_jax.config import ModelConfig
+from llm_jax.weights import mxfp4
 from llm_jax.weights.configs import model_config_to_hf_config, model_config_to_openai_config
 from llm_jax.weights.flat import flat_params
 from llm_jax.weights.layouts import (
@@ -22,12 +23,10 @@ from llm_jax.weights.layouts import (
     HF_WEIGHTS,
     LLM_JAX_CONFIG,
     LLM_JAX_PARAMS,
-    Layout,
     hf_specs,
     openai_specs,
     write_specs,
 )
-from llm_jax.weights.mxfp4 import dequantize_mxfp4
 from llm_jax.weights.tensor_store import save_safetensors
 
 
@@ -47,14 +46,12 @@ def save_hf(model: nnx.Module, directory: str | Path, *, max_shard_bytes: int = 
     sharded with `model.safetensors.index.json` when larger than `max_shard_bytes`. Packed
     experts are written as their MXFP4 bytes (with the `quantization_config` of the released
     gpt-oss), dense ones plain or, with `quantize_experts`, as MXFP4 (lossy)."""
-    cfg = model.cfg
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    flat = flat_params(model)
-    tensors = write_specs(flat, hf_specs(cfg), cfg, quantize_experts=quantize_experts)
-    if quantize_experts and cfg.expert_format == "dense":
-        _log_quantization(flat, tensors, hf_specs(cfg), cfg, d)
-        cfg = cfg.replace(expert_format="mxfp4")
+    if quantize_experts:
+        model = _quantized(model, d)
+    cfg = model.cfg
+    tensors = write_specs(flat_params(model), hf_specs(cfg), cfg)
     total = sum(t.nbytes for t in tensors.values())
     if total <= max_shard_bytes:
         save_safetensors(tensors, d / HF_WEIGHTS)
@@ -78,46 +75,29 @@ def save_hf(model: nnx.Module, directory: str | Path, *, max_shard_bytes: int = 
     return d
 
 
-def quantization_error(flat: dict[str, np.ndarray], tensors: dict[str, np.ndarray],
-                       specs: Layout, cfg: ModelConfig) -> dict[str, float]:
-    """Relative RMS error ||q(w) - w|| / ||w|| of each dense expert stack written as MXFP4,
-    over all layers (what `quantize_experts` cost)."""
-    out = {}
-    for s in specs[1]:
-        key = f"layers.{s.key}"
-        if s.mxfp4 is None or key not in flat or s.src.format(n=0) + s.mxfp4[0] not in tensors:
-            continue
-        err = ref = 0.0
-        for n in range(cfg.num_hidden_layers):
-            name = s.src.format(n=n)
-            q = dequantize_mxfp4(tensors[name + s.mxfp4[0]], tensors[name + s.mxfp4[1]])
-            w = np.swapaxes(flat[key][n].astype(np.float32), -1, -2)
-            err += float(np.sum((q - w) ** 2))
-            ref += float(np.sum(w ** 2))
-        out[s.key] = (err / ref) ** 0.5 if ref else 0.0
-    return out
-
-
-def _log_quantization(flat: dict[str, np.ndarray], tensors: dict[str, np.ndarray],
-                      specs: Layout, cfg: ModelConfig, path: Path) -> None:
-    errors = quantization_error(flat, tensors, specs, cfg)
+def _quantized(model: nnx.Module, path: Path) -> nnx.Module:
+    """`model` with MXFP4 experts (lossy if they were dense: the error is logged)."""
+    model, errors = mxfp4.quantize_experts(model)
     if errors:
         logging.getLogger(__name__).warning(
             "%s: dense experts written as MXFP4; relative RMS error %s", path,
             ", ".join(f"{k} {v:.4f}" for k, v in errors.items()))
+    return model
 
 
 def save_openai(model: nnx.Module, directory: str | Path, *,
                 quantize_experts: bool = False) -> Path:
     """Writes an OpenAI-layout gpt-oss checkpoint: packed experts as their MXFP4 bytes, dense
     ones plain, or with `quantize_experts` as MXFP4 (what OpenAI's loader needs; lossy)."""
-    cfg = model.cfg
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    if quantize_experts:
+        model = _quantized(model, d)
+    cfg = model.cfg
     flat = flat_params(model)
     top, layer = openai_specs(cfg)
     plain = [s for s in layer if not s.key.startswith(("attn.q_", "attn.k_", "attn.v_"))]
-    tensors = write_specs(flat, (top, plain), cfg, quantize_experts=quantize_experts)
+    tensors = write_specs(flat, (top, plain), cfg)
     n, k, h, dm = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     for i in range(cfg.num_hidden_layers):
         w = [flat[f"layers.attn.{p}_proj"][i].reshape(dm, -1).T for p in "qkv"]
@@ -125,8 +105,6 @@ def save_openai(model: nnx.Module, directory: str | Path, *,
         tensors[f"block.{i}.attn.qkv.weight"] = np.concatenate(w, axis=0)
         tensors[f"block.{i}.attn.qkv.bias"] = np.concatenate(b, axis=0)
         assert tensors[f"block.{i}.attn.qkv.weight"].shape == ((n + 2 * k) * h, dm)
-    if quantize_experts:
-        _log_quantization(flat, tensors, (top, plain), cfg, d)
     save_safetensors(tensors, d / "model.safetensors")
     (d / "config.json").write_text(json.dumps(model_config_to_openai_config(cfg), indent=2))
     return d
