@@ -80,6 +80,10 @@ class PackedExperts:
         return dataclasses.replace(self, blocks=pick(self.blocks), scales=pick(self.scales),
                                    lora_a=pick(self.lora_a), lora_b=pick(self.lora_b))
 
+    def frozen(self) -> PackedExperts:
+        """The packed base alone, without the adapter."""
+        return dataclasses.replace(self, lora_a=None, lora_b=None, lora_scale=1.0)
+
     def unpacked(self) -> jax.Array:
         """The dense stack [..., I, O] in `self.dtype`, adapter included (added in float32)."""
         w = jnp.swapaxes(unpack(self.blocks, self.scales, jnp.float32), -1, -2)
