@@ -63,8 +63,9 @@ def expert_einsum(spec: str, x: jax.Array, w: ExpertStack, bias: jax.Array | Non
     """`einsum(spec, x, w, bias)` with an expert stack `w` ([..., I, O], the last two letters of
     its spec) that may be packed. A packed stack's adapter is the low-rank side path
     `scale (x A) B` in float32 beside the unpacked base, never added into the unpacked weights:
-    with B = 0 (step 0) the product is the base's bit for bit, and no [..., I, O] delta is
-    formed per expert or per assignment."""
+    with B = 0 (step 0) it adds exact zeros to the base's product, and no [..., I, O] delta (nor
+    its gradient) is formed per expert or per assignment. (The grouped-matmul dispatches take
+    one weight instead: `dense` adds the adapter into what they unpack.)"""
     if not isinstance(w, PackedExperts) or w.lora_a is None:
         return einsum(spec, x, dense(w), bias)
     sx, rest = spec.replace(" ", "").split(",")

@@ -12,8 +12,9 @@ were read: an export writes them back unchanged) and behaves like the dense [E, 
 stands for where the MoE dispatches need it: `w[e]` picks experts (still packed) and
 `dense(w, dtype)` unpacks what is left, so each dispatch unpacks only what it multiplies (the
 chosen experts, one block's expert, or one device's experts). A LoRA adapter over a packed,
-frozen stack rides along (`lora_a`, `lora_b`) and is added to each unpacked expert, so the
-adapter's gradient flows through exactly the experts a token used.
+frozen stack rides along (`lora_a`, `lora_b`): applied beside the unpacked experts
+(`experts.expert_einsum`) or added to them (`unpacked`), so the adapter's gradient flows through
+exactly the experts a token used.
 
 Shapes: E experts, I input (the quantized axis), O output, G = I / 32 blocks, r LoRA rank.
 """
