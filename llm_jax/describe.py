@@ -47,6 +47,7 @@ from llm_jax.model.select import kernels_line
 from llm_jax.parallel.sharding import MESH_AXES, parse_mesh
 from llm_jax.runtime.cli import fail, parse_flags
 from llm_jax.training.finetune import pretrained_config, resolve_model_config
+from llm_jax.training.run_config import model_config
 
 # ---------------------------------------------------------------------------------------------
 # What each number controls.
@@ -82,8 +83,8 @@ FIELD_DOCS: dict[str, str] = {
     "param_dtype": "storage dtype of weights (norms, sinks, router stay float32): sets params "
                    "and grads bytes",
     "expert_format": "how the expert stacks are held: dense (param_dtype) or mxfp4 (packed as "
-                     "gpt-oss ships them, 4.25 bits a value, frozen; unpacked inside each "
-                     "dispatch): sets expert params bytes",
+                     "gpt-oss ships them, 4.25 bits a value, frozen: QLoRA; unpacked inside each "
+                     "dispatch); unset = the checkpoint's: sets expert params bytes",
     "moe_dispatch": "how tokens reach experts: auto (dropless, by backend), dense (all E, E/k x "
                     "the expert FLOPs), ragged / blocked / gather / gmm (dropless; gmm by "
                     "Pallas kernels), capacity / expert_parallel / expert_parallel_gmm (fixed "
@@ -223,7 +224,7 @@ def _model_of(run_cfg: ml_collections.ConfigDict) -> ModelConfig:
     if any(v is None for v in model.values()) and run_cfg.train.get("init_from"):
         return resolve_model_config(run_cfg.model, pretrained_config(run_cfg.train.init_from),
                                     run_cfg.train.init_from)
-    return ModelConfig.from_dict(model)
+    return model_config(run_cfg)
 
 
 def _finetune_memory(run_cfg: ml_collections.ConfigDict, cfg: ModelConfig, batch: int,
@@ -297,7 +298,7 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         fail("llm_jax.describe", e)
     if FLAGS.shardings:
-        result["shardings"] = param_shardings(ModelConfig.from_dict(FLAGS.config.model.to_dict()),
+        result["shardings"] = param_shardings(_model_of(FLAGS.config),
                                               mesh)
     print(json.dumps(result, indent=2) if FLAGS.json else format_report(result) + (
         "\n\n" + format_shardings(result["shardings"], mesh) if FLAGS.shardings else ""))

@@ -1,10 +1,15 @@
 """Exports a fine-tuning workdir: the merged model as Hugging Face, and/or the adapters alone.
 
     python -m llm_jax.export --workdir runs/lora --hf out/merged --adapters out/adapters
+        [--dtype bfloat16] [--expert_format dense|mxfp4]
 
 `--hf` merges LoRA adapters into the base (`w + (alpha/r) A B`) and writes a checkpoint that
 `GptOssForCausalLM.from_pretrained` loads, with the tokenizer files of `train.init_from` (or
-`sft.tokenizer`) copied beside it. `--adapters` writes `adapters.safetensors` + `adapters.json`.
+`sft.tokenizer`) copied beside it: weights in `--dtype` (default: the base's param_dtype), the
+experts dense (packed MXFP4 experts are unpacked exactly before the merge) or, with
+`--expert_format mxfp4`, the merged experts quantized again to MXFP4 as gpt-oss ships them
+(lossy: the relative RMS error of each re-quantized stack is printed and returned). `--adapters` writes `adapters.safetensors` +
+`adapters.json`, which `python -m llm_jax.generate --adapters` loads onto the base unmerged.
 Each output is written to a temporary sibling and renamed into place when complete.
 """
 
@@ -15,36 +20,53 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
+from llm_jax.config import DTYPES, EXPERT_FORMATS
 from llm_jax.convert import check_destination, write_atomically
 from llm_jax.data.hf_tokenizer import TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILE, tokenizer_dir
 from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.training.finetune import restore_finetuned
-from llm_jax.weights.adapters import merge_lora, save_adapters
+from llm_jax.weights.adapters import merge_lora, merge_lora_mxfp4, save_adapters
 from llm_jax.weights.writers import save_hf
 
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, TEMPLATE_FILE, "special_tokens_map.json",
                    "generation_config.json")
 
 
+class Exported(NamedTuple):
+    paths: list[Path]  # the outputs written
+    # Relative RMS error of each expert stack re-quantized to MXFP4 (expert_format="mxfp4").
+    quantization_error: dict[str, float]
+
+
 def export(workdir: str, *, hf: str | None = None, adapters: str | None = None,
-           step: int | None = None, overwrite: bool = False) -> list[Path]:
-    """Writes the requested outputs; returns their paths."""
+           step: int | None = None, overwrite: bool = False, dtype: str | None = None,
+           expert_format: str = "dense") -> Exported:
+    """Writes the requested outputs; returns their paths (and the re-quantization errors)."""
     if not hf and not adapters:
         raise ValueError("nothing to export: pass --hf and/or --adapters")
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"--expert_format={expert_format!r} is invalid: expected one of "
+                         f"{list(EXPERT_FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype={dtype!r} is invalid: expected one of {list(DTYPES)}")
     for flag, dst in (("--hf", hf), ("--adapters", adapters)):
         if dst:
             check_destination(dst, overwrite, flag)
     model, run = restore_finetuned(workdir, step)
     lora = run.get("lora", {})
-    out = []
+    out, errors = [], {}
     if adapters:
         if not lora.get("rank"):
             raise ValueError(f"{workdir} is a full fine-tuning run (lora.rank=0): no adapters")
         out.append(write_atomically(adapters, lambda tmp: save_adapters(
             model, tmp, rank=lora["rank"], alpha=lora["alpha"])))
     if hf:
-        merged = merge_lora(model) if lora.get("rank") else model
+        if expert_format == "mxfp4":
+            merged, errors = merge_lora_mxfp4(model, dtype=dtype)
+        else:
+            merged = merge_lora(model, dtype=dtype)
         source = run.get("sft", {}).get("tokenizer") or run["train"].get("init_from", "")
 
         def write(tmp: Path) -> None:
@@ -55,7 +77,7 @@ def export(workdir: str, *, hf: str | None = None, adapters: str | None = None,
                     shutil.copyfile(src / name, tmp / name)
 
         out.append(write_atomically(hf, write))
-    return out
+    return Exported(out, errors)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,16 +86,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="the fine-tuning run's --workdir")
     parser.add_argument("--hf", help="write the (merged) model here, Hugging Face format")
     parser.add_argument("--adapters", help="write the LoRA adapters alone here")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="dtype of the merged weights (default: the base's param_dtype)")
+    parser.add_argument("--expert_format", choices=EXPERT_FORMATS, default="dense",
+                        help="mxfp4: the merged experts quantized again to MXFP4 (lossy; the "
+                        "error is printed)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--overwrite", action="store_true", help="replace non-empty outputs")
     args = parser.parse_args(argv)
     try:
-        paths = export(args.workdir, hf=args.hf, adapters=args.adapters, step=args.step,
-                       overwrite=args.overwrite)
+        result = export(args.workdir, hf=args.hf, adapters=args.adapters, step=args.step,
+                        overwrite=args.overwrite, dtype=args.dtype,
+                        expert_format=args.expert_format)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for p in paths:
+    for name, err in result.quantization_error.items():
+        print(f"{name}: merged experts re-quantized to MXFP4, relative RMS error {err:.4f}")
+    for p in result.paths:
         print(f"wrote {p}")
     return 0
 

@@ -2,10 +2,12 @@
 
     python -m llm_jax.generate --checkpoint PATH --prompt "def fib(" [--prompt_file F]
         [--prompt_ids 1,2,3] --max_new_tokens N [--temperature T --top_k K --top_p P --seed S]
-        [--output_json FILE]
+        [--adapters DIR] [--output_json FILE]
 
 The checkpoint is any directory `llm_jax.load_pretrained` reads; the work is `llm_jax.sample`
-(llm_jax/inference/). Decode speed: `python -m llm_jax.bench decode`.
+(llm_jax/inference/). `--adapters` loads LoRA adapters (`python -m llm_jax.export --adapters`)
+onto it without merging (`llm_jax.weights.adapters.load_adapters`): over gpt-oss's packed MXFP4
+experts they stay packed. Decode speed: `python -m llm_jax.bench decode`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eos_id", type=int, default=None,
                    help="stop token (default: the tokenizer's EOS; -1 = never stop early)")
+    p.add_argument("--adapters", default=None,
+                   help="LoRA adapters directory to load onto the checkpoint (not merged)")
     p.add_argument("--dtype", default=None, help="load weights and compute in this dtype")
     p.add_argument("--cache_dtype", default=None, help="KV-cache dtype (default: compute dtype)")
     p.add_argument("--max_len", type=int, default=None, help="KV-cache slots")
@@ -55,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from llm_jax.weights.readers import load_pretrained  # after the flags: start-up cost
 
         model = load_pretrained(args.checkpoint, dtype=args.dtype)
+        if args.adapters:
+            from llm_jax.weights.adapters import load_adapters  # after the flags: start-up cost
+
+            load_adapters(model, args.adapters)
         tok = find_tokenizer(args.checkpoint)
         texts = list(args.prompt) + [Path(f).read_text() for f in args.prompt_file]
         if texts and tok is None:

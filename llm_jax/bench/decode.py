@@ -31,11 +31,12 @@ from llm_jax.inference.sampler import sample
 from llm_jax.model import init_model
 from llm_jax.model.costs import kv_cache_bytes
 from llm_jax.model.kv_cache import cache_nbytes, init_cache
+from llm_jax.training.run_config import model_config
 
 
 def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1, 8),
         prompt_len: int = 128, new_tokens: int = 256, hf: bool = True) -> dict[str, Any]:
-    cfg = ModelConfig.from_dict(tiny_run_config().model.to_dict())
+    cfg = model_config(tiny_run_config())
     if quick:
         cfg, batches, prompt_len, new_tokens, repeats = quick_model_config(), (1,), 8, 256, 3
     r = bench(cfg, batches=batches, prompt_len=prompt_len, new_tokens=new_tokens,

@@ -44,11 +44,11 @@ def measure_child(steps: int, batch: int, seq_len: int) -> dict[str, Any]:
     import jax  # noqa: F401  (after the environment is final)
 
     from llm_jax.bench.train import JaxTrainer, quick_model_config, random_batch, tiny_run_config
-    from llm_jax.config import ModelConfig
+    from llm_jax.training.run_config import model_config
 
     run_cfg = tiny_run_config()
     cfg = (quick_model_config() if seq_len < 64
-           else ModelConfig.from_dict(run_cfg.model.to_dict()))
+           else model_config(run_cfg))
     tc = run_cfg.train.copy_and_resolve_references()
     tc.batch_size, tc.grad_accum_steps = batch, 1
     trainer = JaxTrainer(cfg, tc, random_batch(cfg.vocab_size, batch, seq_len))

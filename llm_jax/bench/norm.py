@@ -14,13 +14,13 @@ from typing import Any
 
 from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.bench.train import JaxTrainer, quick_model_config, random_batch, tiny_run_config
-from llm_jax.config import ModelConfig
+from llm_jax.training.run_config import model_config
 
 
 def run(*, repeats: int = 7, steps: int = 2, quick: bool = False, shape: tuple[int, int] = (8, 256),
         dtype: str = "float32") -> dict[str, Any]:
     run_cfg = tiny_run_config()
-    base = ModelConfig.from_dict(run_cfg.model.to_dict()).replace(dtype=dtype)
+    base = model_config(run_cfg).replace(dtype=dtype)
     if quick:
         base, shape, repeats, steps = quick_model_config().replace(dtype=dtype), (2, 16), 1, 1
     b, t = shape

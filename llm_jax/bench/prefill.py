@@ -28,12 +28,12 @@ def _child(prompt_len: int, window: int, repeats: int) -> dict[str, Any]:
     from flax import nnx
 
     from llm_jax.bench.train import tiny_run_config
-    from llm_jax.config import ModelConfig
     from llm_jax.inference.loop import prefill
     from llm_jax.model import init_model
     from llm_jax.model.kv_cache import init_cache
+    from llm_jax.training.run_config import model_config
 
-    cfg = ModelConfig.from_dict(tiny_run_config().model.to_dict()).replace(sliding_window=window)
+    cfg = model_config(tiny_run_config()).replace(sliding_window=window)
     graphdef, state = nnx.split(init_model(cfg, 0))
     run = jax.jit(lambda s, t, n: prefill(nnx.merge(graphdef, s), t, n,
                                           init_cache(cfg, 1, prompt_len + 16))[0])

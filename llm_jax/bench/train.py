@@ -29,6 +29,7 @@ import numpy as np
 from llm_jax.bench.common import Isolated, alternate, machine, median, table, torch_info
 from llm_jax.config import ModelConfig
 from llm_jax.model.costs import flops_per_token
+from llm_jax.training.run_config import model_config
 
 SHAPES = ((8, 256), (4, 1024))
 DTYPES = ("float32", "bfloat16")
@@ -174,7 +175,7 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
         hf: bool = True, peaks: dict[str, float] | None = None,
         profile: bool = False) -> dict[str, Any]:
     run_cfg = tiny_run_config()
-    base = ModelConfig.from_dict(run_cfg.model.to_dict())
+    base = model_config(run_cfg)
     if quick:
         base, shapes, repeats, steps = quick_model_config(), ((2, 16),), 1, 1
     if peaks is None:

@@ -58,6 +58,28 @@ def stack_spec(w: ExpertStack, spec: tuple) -> Any:
                                lora_b=P(e, None, o) if lora else None)
 
 
+def expert_einsum(spec: str, x: jax.Array, w: ExpertStack, bias: jax.Array | None = None
+                  ) -> jax.Array:
+    """`einsum(spec, x, w, bias)` with an expert stack `w` ([..., I, O], the last two letters of
+    its spec) that may be packed. A packed stack's adapter is the low-rank side path
+    `scale (x A) B` in float32 beside the unpacked base, never added into the unpacked weights:
+    with B = 0 (step 0) it adds exact zeros to the base's product, and no [..., I, O] delta (nor
+    its gradient) is formed per expert or per assignment. (The grouped-matmul dispatches take
+    one weight instead: `dense` adds the adapter into what they unpack.)"""
+    if not isinstance(w, PackedExperts) or w.lora_a is None:
+        return einsum(spec, x, dense(w), bias)
+    sx, rest = spec.replace(" ", "").split(",")
+    sw, so = rest.split("->")
+    r = next(c for c in "rqpzyxwv" if c not in spec)
+    out = sw[-1]
+    y = einsum(spec, x, w.frozen().unpacked(), bias, preferred_element_type=jnp.float32)
+    f32 = jnp.float32
+    xa = jnp.einsum(f"{sx},{sw[:-1]}{r}->{so.replace(out, r)}", x.astype(f32),
+                    w.lora_a.astype(f32))
+    side = jnp.einsum(f"{so.replace(out, r)},{sw[:-2]}{r}{out}->{so}", xa, w.lora_b.astype(f32))
+    return (y + w.lora_scale * side).astype(jnp.result_type(x.dtype, w.dtype))
+
+
 def _clamped(h: jax.Array, limit: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(glu input, linear input, clamped glu, clamped linear), in float32."""
     hf = h.astype(jnp.float32)

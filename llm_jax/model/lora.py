@@ -18,9 +18,10 @@ exactly. Per expert, A and B carry the expert axis: each expert gets its own low
 (each with a leading L in the stacked model).
 
 Over packed MXFP4 experts (QLoRA: `expert_format="mxfp4"`) the base stack stays packed and
-frozen: `adapted` returns a `PackedExperts` carrying A and B, and each MoE dispatch adds
-`(alpha/r) A_e B_e` to the experts it unpacks, so gradients reach the adapters and the
-activations only.
+frozen: `adapted` returns a `PackedExperts` carrying A and B, and each MoE dispatch applies
+them to the experts it multiplies (`experts.expert_einsum`'s side path `(alpha/r) (x A_e) B_e`,
+or `(alpha/r) A_e B_e` added to the stack a grouped matmul unpacks), so gradients reach the
+adapters and the activations only.
 """
 
 from __future__ import annotations

@@ -36,21 +36,27 @@ import jax
 import jax.numpy as jnp
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.experts import ExpertWeights, Routing, combine, sort_by_expert, swiglu, unsort
+from llm_jax.model.experts import (
+    ExpertWeights,
+    Routing,
+    combine,
+    expert_einsum,
+    sort_by_expert,
+    swiglu,
+    unsort,
+)
 from llm_jax.model.matmul import einsum
 from llm_jax.model.moe_parallel import moe_expert_parallel, moe_gmm
-from llm_jax.model.mxfp4 import dense
 from llm_jax.model.select import auto_moe
 from llm_jax.parallel.sharding import constrain
 from llm_jax.runtime.backend import backend
 
 
 def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
-    w = w.unpacked()
     t = x_TD.shape[0]
     e = w.gate_up_EDF2.shape[0]
-    h = einsum("TD,EDF->TEF", x_TD, w.gate_up_EDF2, w.gate_up_bias_EF2)
-    y_TED = einsum("TEF,EFD->TED", swiglu(h, limit), w.down_EFD, w.down_bias_ED)
+    h = expert_einsum("TD,EDF->TEF", x_TD, w.gate_up_EDF2, w.gate_up_bias_EF2)
+    y_TED = expert_einsum("TEF,EFD->TED", swiglu(h, limit), w.down_EFD, w.down_bias_ED)
     combine_TE = jnp.zeros((t, e), jnp.float32).at[
         jnp.arange(t)[:, None], routing.experts_Tk].add(routing.weights_Tk)
     return einsum("TED,TE->TD", y_TED, combine_TE.astype(y_TED.dtype))
@@ -79,8 +85,8 @@ def moe_gather(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float
     k = routing.experts_Tk.shape[1]
     e_A = routing.experts_Tk.reshape(-1)  # (token, choice) order
     x_AD = jnp.repeat(x_TD, k, axis=0)
-    h = einsum("AD,ADF->AF", x_AD, dense(w.gate_up_EDF2[e_A]), w.gate_up_bias_EF2[e_A])
-    y = einsum("AF,AFD->AD", swiglu(h, limit), dense(w.down_EFD[e_A]), w.down_bias_ED[e_A])
+    h = expert_einsum("AD,ADF->AF", x_AD, w.gate_up_EDF2[e_A], w.gate_up_bias_EF2[e_A])
+    y = expert_einsum("AF,AFD->AD", swiglu(h, limit), w.down_EFD[e_A], w.down_bias_ED[e_A])
     return combine(y.reshape(t, k, d), routing.weights_Tk)
 
 
@@ -112,8 +118,8 @@ def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: floa
 
     def one_block(args):
         x_bD, ex = args
-        h = einsum("bD,DF->bF", x_bD, dense(w.gate_up_EDF2[ex]), w.gate_up_bias_EF2[ex])
-        return einsum("bF,FD->bD", swiglu(h, limit), dense(w.down_EFD[ex]), w.down_bias_ED[ex])
+        h = expert_einsum("bD,DF->bF", x_bD, w.gate_up_EDF2[ex], w.gate_up_bias_EF2[ex])
+        return expert_einsum("bF,FD->bD", swiglu(h, limit), w.down_EFD[ex], w.down_bias_ED[ex])
 
     y_AD = jax.lax.map(one_block, (x_GbD, expert_G)).reshape(-1, d)[slot_A]
     return combine(y_AD.reshape(t, k, d), routing.weights_Tk)
@@ -130,7 +136,6 @@ def moe_capacity(
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, D], fraction of assignments dropped). Slots fill in token order, all
     first choices before any second choice; assignments past an expert's C slots are dropped."""
-    w = w.unpacked()
     t, d = x_TD.shape
     k = routing.experts_Tk.shape[1]
     e = w.gate_up_EDF2.shape[0]
@@ -143,8 +148,8 @@ def moe_capacity(
     flat_slot_A = jnp.where(kept_A, experts_A * num_slots + slot_A, e * num_slots)
     slot_token = jnp.zeros((e * num_slots + 1,), jnp.int32).at[flat_slot_A].set(token_A)
     x_ECD = constrain(x_TD[slot_token[:-1]].reshape(e, num_slots, d), ("experts", None, None))
-    h = einsum("ECD,EDF->ECF", x_ECD, w.gate_up_EDF2, w.gate_up_bias_EF2[:, None])
-    y_ECD = einsum("ECF,EFD->ECD", swiglu(h, limit), w.down_EFD, w.down_bias_ED[:, None])
+    h = expert_einsum("ECD,EDF->ECF", x_ECD, w.gate_up_EDF2, w.gate_up_bias_EF2[:, None])
+    y_ECD = expert_einsum("ECF,EFD->ECD", swiglu(h, limit), w.down_EFD, w.down_bias_ED[:, None])
     y_AD = y_ECD.reshape(e * num_slots, d)[jnp.minimum(flat_slot_A, e * num_slots - 1)]
     weights_A = routing.weights_Tk.T.reshape(-1) * kept_A
     y_kTD = (y_AD * weights_A[:, None].astype(y_AD.dtype)).reshape(k, t, d)

@@ -12,8 +12,9 @@ were read: an export writes them back unchanged) and behaves like the dense [E, 
 stands for where the MoE dispatches need it: `w[e]` picks experts (still packed) and
 `dense(w, dtype)` unpacks what is left, so each dispatch unpacks only what it multiplies (the
 chosen experts, one block's expert, or one device's experts). A LoRA adapter over a packed,
-frozen stack rides along (`lora_a`, `lora_b`) and is added to each unpacked expert, so the
-adapter's gradient flows through exactly the experts a token used.
+frozen stack rides along (`lora_a`, `lora_b`): applied beside the unpacked experts
+(`experts.expert_einsum`) or added to them (`unpacked`), so the adapter's gradient flows through
+exactly the experts a token used.
 
 Shapes: E experts, I input (the quantized axis), O output, G = I / 32 blocks, r LoRA rank.
 """
@@ -92,6 +93,10 @@ class PackedExperts:
         pick = lambda x: None if x is None else x[index]  # noqa: E731
         return dataclasses.replace(self, blocks=pick(self.blocks), scales=pick(self.scales),
                                    lora_a=pick(self.lora_a), lora_b=pick(self.lora_b))
+
+    def frozen(self) -> PackedExperts:
+        """The packed base alone, without the adapter."""
+        return dataclasses.replace(self, lora_a=None, lora_b=None, lora_scale=1.0)
 
     def unpacked(self) -> jax.Array:
         """The dense stack [..., I, O] in `self.dtype`, adapter included (added in float32)."""

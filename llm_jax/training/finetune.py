@@ -5,6 +5,12 @@ a run config's `model` field left `None` (configs/finetune_*.py) takes the check
 a set field must equal it unless it only chooses how the function is computed
 (configs.OVERRIDABLE_FIELDS: dtype, param_dtype, moe_dispatch, remat, ...), so a changed shape
 is refused by name. A resumed run takes the config (and params) from its own checkpoint.
+
+QLoRA: `model.expert_format` left None keeps the checkpoint's format, so gpt-oss as released
+loads with its MoE experts packed in MXFP4 (frozen `PackedParam`s) and LoRA (lora.rank > 0)
+trains adapters over them; attention and router weights are frozen as in any LoRA run. A packed
+model cannot be fully fine-tuned: lora.rank=0 with expert_format="mxfp4" is refused
+(`check_trainable`); `model.expert_format=dense` dequantizes the experts to train them all.
 """
 
 from __future__ import annotations
@@ -61,6 +67,17 @@ def resolve_model_config(model: ml_collections.ConfigDict, base: ModelConfig,
                          f"run config changes it: {lines}. Only {list(OVERRIDABLE_FIELDS)} may "
                          "differ; leave the others unset (None)")
     return base.replace(**{k: v for k, v in given.items() if k in OVERRIDABLE_FIELDS})
+
+
+def check_trainable(cfg: ModelConfig, lora: ml_collections.ConfigDict, source: str) -> None:
+    """Refuses a full fine-tune (lora.rank=0) of packed MXFP4 experts, which cannot be trained."""
+    if cfg.expert_format == "mxfp4" and not lora.rank:
+        raise ValueError(
+            f"model.expert_format='mxfp4' ({source}) holds the MoE experts packed, and packed "
+            "experts cannot be trained, but lora.rank=0 asks to train every weight: set "
+            "lora.rank > 0 (QLoRA: adapters over the frozen packed experts, e.g. "
+            "--config.lora.rank=16), or model.expert_format='dense' to dequantize the experts "
+            "and train them all")
 
 
 def lora_targets(lora: ml_collections.ConfigDict) -> tuple[str, ...]:

@@ -204,6 +204,8 @@ def _model_config(cfg: ml_collections.ConfigDict, ckpt: Checkpointer
         mcfg = finetune.resolve_model_config(cfg.model, base, tc.init_from)
     else:
         mcfg = model_config(cfg)
+    finetune.check_trainable(mcfg, cfg.lora, f"train.init_from={tc.init_from!r}" if tc.init_from
+                             else "the run config")
     if latest is not None:
         check_same_model(saved_config, mcfg, ckpt.directory)
     else:

@@ -2,7 +2,9 @@
 
 `configs/*.py` return it from `get_config()`; the CLI loads it with `--config` and overrides any
 field as `--config.train.num_steps=10`. The `model` section holds exactly the fields of
-`ModelConfig` and is turned into one with `model_config(cfg)`.
+`ModelConfig` and is turned into one with `model_config(cfg)`. Its `expert_format` is None unless
+a config asks for one: the checkpoint's format when fine-tuning (`train.init_from`: a gpt-oss
+MXFP4 checkpoint stays packed, and LoRA over it is QLoRA), else "dense".
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg = ml_collections.ConfigDict()
     cfg.name = name
     cfg.seed = 0
-    cfg.model = ml_collections.ConfigDict(model.to_dict())
+    cfg.model = _model(model)
     cfg.data = _data()
     cfg.train = _train()
     cfg.sft = _sft()
@@ -27,6 +29,13 @@ def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDi
     cfg.distributed = _distributed()
     cfg.checkpoint = _checkpoint()
     return cfg
+
+
+def _model(model: ModelConfig) -> ml_collections.ConfigDict:
+    d = model.to_dict()
+    if model.expert_format == "dense":  # the default: None = the checkpoint's, else dense
+        d["expert_format"] = ml_collections.config_dict.placeholder(str)
+    return ml_collections.ConfigDict(d)
 
 
 def _data() -> ml_collections.ConfigDict:
@@ -213,5 +222,9 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
-    """The `model` section as a validated ModelConfig (unknown fields are refused by name)."""
-    return ModelConfig.from_dict(cfg.model.to_dict())
+    """The `model` section as a validated ModelConfig (unknown fields are refused by name); an
+    unset expert_format (no checkpoint to take it from) is dense."""
+    d = cfg.model.to_dict()
+    if d.get("expert_format", "") is None:
+        del d["expert_format"]
+    return ModelConfig.from_dict(d)
