@@ -73,8 +73,11 @@ def tpu_devices(name: str, num_slices: int = 1) -> list[Any]:
     # Compile-only use: let several processes (parallel tests, two compiles) load libtpu.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    libtpu_name = topology_name(name)
+    if libtpu_name.endswith(":1x1"):  # one chip: libtpu's default host is 2x2 chips
+        kwargs["chips_per_host_bounds"] = (1, 1, 1)
     try:
-        return list(topologies.get_topology_desc(topology_name=topology_name(name),
+        return list(topologies.get_topology_desc(topology_name=libtpu_name,
                                                  platform="tpu", **kwargs).devices)
     except (RuntimeError, ImportError) as e:  # no libtpu
         raise RuntimeError(f"cannot describe TPU topology {name!r}: {e}; install libtpu with "
