@@ -83,6 +83,8 @@ FIELD_DOCS: dict[str, str] = {
     "dtype": "compute dtype of matmuls and activations: sets activation and KV-cache bytes",
     "param_dtype": "storage dtype of weights (norms, sinks, router stay float32): sets params "
                    "and grads bytes",
+    "expert_format": "how expert matrices are held: dense (param_dtype) or mxfp4 (packed, 4.25 "
+                     "bits a value, frozen; each dispatch unpacks what it multiplies)",
     "moe_dispatch": "how tokens reach experts: auto (dropless, by backend), dense (all E, E/k x "
                     "the expert FLOPs), ragged / blocked / gather / gmm (dropless; gmm by "
                     "Pallas kernels), capacity / expert_parallel / expert_parallel_gmm (fixed "
