@@ -1,10 +1,16 @@
-"""`python -m llm_jax.compile`: the train step compiled ahead of time for a TPU slice or a
-simulated CPU mesh, with its per-chip memory (the compiling is llm_jax/training/aot.py).
+"""`python -m llm_jax.compile`: the train step (or generation) compiled ahead of time for a TPU
+slice or a simulated CPU mesh, with its per-chip memory (the compiling is llm_jax/training/aot.py).
 
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5p-32 \\
         --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\
         [--config.model.moe_dispatch=expert_parallel ...] [--json]
     python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
+    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5e-1 --program generate \
+        --config.model.expert_format=mxfp4 [--batch 1 --prompt_len 4096 --new_tokens 128]
+
+`--program generate` compiles `llm_jax.sample` (prefill + decode loop, weights sharded by the
+rules); a config with `--config.lora.rank=R` compiles the LoRA step (QLoRA over packed experts
+with `--config.model.expert_format=mxfp4`).
 
 With --topology the devices are libtpu's compile-only description of that TPU slice (pip install
 "llm_jax[tpu]"; no TPU needed); with --cpu_devices N, N simulated CPU devices.
@@ -23,18 +29,43 @@ from ml_collections import config_flags
 from llm_jax.model.costs import format_bytes
 from llm_jax.parallel.sharding import parse_mesh
 from llm_jax.runtime.cli import fail, parse_flags
-from llm_jax.training.aot import compile_train_step, tpu_devices
+from llm_jax.training.aot import compile_inference, compile_train_step, tpu_devices
+
+
+def _fits(r: dict[str, Any]) -> str:
+    return ("no HBM size known for this device" if r["fits"] is None else
+            f"{'fits' if r['fits'] else 'does NOT fit'} in {format_bytes(r['hbm_bytes'])} HBM")
+
+
+def format_inference(r: dict[str, Any]) -> str:
+    b, e = r["bytes"], r["estimate"]
+    mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items())
+    return "\n".join([
+        f"# {r['name']} {r['program']} on {r['devices']} x {r['device_kind']}, mesh {mesh}, "
+        f"batch {r['batch']}, prompt {r['prompt_len']} + {r['new_tokens']} new, experts "
+        f"{r['expert_format']}, dispatch {r['moe_dispatch']}",
+        f"compiled in {r['compile_seconds']:.1f} s; selected: {r['selected']}",
+        "per chip, compiled (memory_analysis):",
+        f"  arguments {format_bytes(b['arguments'])} (weights + prompts), outputs "
+        f"{format_bytes(b['outputs'])}, temporaries {format_bytes(b['temp'])} (KV cache, "
+        f"activations, unpacked experts), code {format_bytes(b['code'])}",
+        f"  total {format_bytes(b['total'])}: {_fits(r)}",
+        f"per chip, estimated (costs.inference_memory_per_device): weights "
+        f"{format_bytes(e['weights'])}, KV cache {format_bytes(e['kv_cache'])}, unpacked experts "
+        f"{format_bytes(e['unpacked_experts'])}, total {format_bytes(e['total'])}",
+    ])
 
 
 def format_result(r: dict[str, Any]) -> str:
+    if r["program"].startswith("generate"):
+        return format_inference(r)
     b, e = r["bytes"], r["estimate"]
     mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items())
-    fits = ("no HBM size known for this device" if r["fits"] is None else
-            f"{'fits' if r['fits'] else 'does NOT fit'} in {format_bytes(r['hbm_bytes'])} HBM")
+    fits = _fits(r)
     return "\n".join([
-        f"# {r['name']} train step on {r['devices']} x {r['device_kind']}, mesh {mesh}, "
-        f"batch {r['batch']} x seq {r['seq_len']}, dispatch {r['moe_dispatch']}, "
-        f"remat {r['remat']}",
+        f"# {r['name']} {r['program']} on {r['devices']} x {r['device_kind']}, mesh {mesh}, "
+        f"batch {r['batch']} x seq {r['seq_len']}, experts {r['expert_format']}, dispatch "
+        f"{r['moe_dispatch']}, remat {r['remat']}",
         f"lowered in {r['lower_seconds']:.1f} s, compiled in {r['compile_seconds']:.1f} s",
         "per chip, compiled (memory_analysis):",
         f"  arguments {format_bytes(b['arguments'])} (params + optimizer state + batch), outputs "
@@ -76,8 +107,13 @@ def main(argv: list[str]) -> None:
             devices = jax.devices()
         mesh = parse_mesh(FLAGS.mesh, allow_fill=True) if FLAGS.mesh else None
         dcn = parse_mesh(FLAGS.dcn) if FLAGS.dcn else None
-        result = compile_train_step(FLAGS.config, devices, mesh=mesh, dcn=dcn, batch=FLAGS.batch,
-                                    seq_len=FLAGS.seq_len)
+        if FLAGS.program == "generate":
+            result = compile_inference(FLAGS.config, devices, mesh=mesh, batch=FLAGS.batch or 1,
+                                       prompt_len=FLAGS.prompt_len or FLAGS.seq_len or 4096,
+                                       new_tokens=FLAGS.new_tokens)
+        else:
+            result = compile_train_step(FLAGS.config, devices, mesh=mesh, dcn=dcn,
+                                        batch=FLAGS.batch, seq_len=FLAGS.seq_len)
     except (ValueError, RuntimeError) as e:
         fail("llm_jax.compile", e)
     print(json.dumps(result, indent=2) if FLAGS.json else format_result(result))
@@ -95,6 +131,11 @@ def _define_flags() -> None:
     flags.DEFINE_string("dcn", "", "mesh axis sizes across slices, e.g. data=2")
     flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
     flags.DEFINE_integer("seq_len", None, "sequence length (default: data.seq_len)")
+    flags.DEFINE_enum("program", "train", ["train", "generate"], "the train step, or "
+                      "generation (prefill + decode loop)")
+    flags.DEFINE_integer("prompt_len", None, "generate: prompt length (default --seq_len, "
+                         "else 4096)")
+    flags.DEFINE_integer("new_tokens", 128, "generate: tokens decoded after the prompt")
     flags.DEFINE_bool("json", False, "print the result as JSON")
     flags.mark_flag_as_required("config")
 

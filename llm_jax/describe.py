@@ -32,12 +32,14 @@ from llm_jax.model.costs import (
     flops_per_token,
     format_bytes,
     format_si,
+    inference_memory_per_device,
     kv_cache_bytes,
     kv_cache_lengths,
     kv_cache_table,
     matmul_flops_per_token,
     max_context,
     memory_per_device,
+    param_bytes,
     param_counts,
     param_shardings,
     total_params,
@@ -191,7 +193,8 @@ def report(
         "batch": batch,
         "fields": fields,
         "params": {"components": param_counts(cfg), "total": total_params(cfg),
-                   "active": active_params(cfg), "active_convention": ACTIVE_CONVENTION},
+                   "active": active_params(cfg), "active_convention": ACTIVE_CONVENTION,
+                   "bytes": param_bytes(cfg), "expert_format": cfg.expert_format},
         "flops_per_token": {
             "matmul_forward": matmul_flops_per_token(cfg),
             "attention_forward": attention_flops_per_token(cfg, seq_len),
@@ -213,6 +216,8 @@ def report(
             "table": kv_cache_table(cfg),
         },
         "memory_per_device": memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh),
+        "inference_memory_per_device": inference_memory_per_device(
+            cfg, batch=batch, context=seq_len, mesh=mesh),
         "finetune_memory_per_device": _finetune_memory(run_cfg, cfg, batch, seq_len, mesh),
         "kernels": {p: kernels_line(cfg, batch, seq_len, p) for p in ("cpu", "gpu", "tpu")},
     }
@@ -245,10 +250,13 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [f"{f['field']:<{width}}  {f['value']!r:<{vwidth}}  {f['doc']}" for f in r["fields"]]
 
     p = r["params"]
-    lines += ["", "## Parameters"]
-    lines += [f"{n:<12} {c:>16,}  {c / p['total']:6.1%}" for n, c in p["components"].items()]
-    lines += [f"{'total':<12} {p['total']:>16,}", f"{'active':<12} {p['active']:>16,}  "
-              f"per token; {p['active_convention']}"]
+    lines += ["", f"## Parameters (stored bytes; experts {p['expert_format']}"
+              + (": 4.25 bits a value, blocks + scales" if p["expert_format"] == "mxfp4" else "")
+              + ")"]
+    lines += [f"{n:<12} {c:>16,}  {c / p['total']:6.1%}  {format_bytes(p['bytes'][n]):>11}"
+              for n, c in p["components"].items()]
+    lines += [f"{'total':<12} {p['total']:>16,}          {format_bytes(sum(p['bytes'].values())):>11}",
+              f"{'active':<12} {p['active']:>16,}  per token; {p['active_convention']}"]
 
     lines += ["", "## Kernels of a training step, by backend (model/select.py)"]
     lines += [line for line in r.get("kernels", {}).values()]
@@ -279,10 +287,18 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [f"{n:<12} {format_bytes(m[n]):>11}" for n in
               ("params", "grads", "adam_m_v", "activations", "total")]
     lines += ["assumptions:"] + [f"- {a}" for a in m["assumptions"]]
+    inf = r["inference_memory_per_device"]
+    lines += ["", f"## Memory per device (inference: batch {inf['batch']}, context "
+              f"{inf['context']}; mesh {mesh})"]
+    lines += [f"{n:<16} {format_bytes(inf[n]):>11}" for n in
+              ("weights", "kv_cache", "unpacked_experts", "logits", "total")]
+    lines += ["assumptions:"] + [f"- {a}" for a in inf["assumptions"]]
     ft = r["finetune_memory_per_device"]
     lines += ["", f"## Fine-tuning memory per device: full vs LoRA rank {ft['rank']} "
               f"({ft['adapter_params']:,} adapter params on {','.join(ft['targets'])})",
               f"{'':<14} {'full':>11} {'LoRA':>11}"]
+    if p["expert_format"] == "mxfp4":
+        lines.append("(experts packed: QLoRA; 'full' trains all but the frozen packed experts)")
     lines += [f"{n:<14} {format_bytes(ft['full'].get(n, 0.0)):>11} {format_bytes(ft['lora'][n]):>11}"
               for n in ("params", "grads", "adam_m_v", "adapted_layer", "activations", "total")]
     lines += [f"- {a}" for a in ft["assumptions"]]

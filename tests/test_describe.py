@@ -228,3 +228,64 @@ def test_cli_unknown_field_is_a_clear_error_not_a_traceback():
     out = cli("--config", "configs/tiny.py", "--config.model.not_a_field=3")
     assert out.returncode != 0
     assert "no field 'not_a_field'" in out.stderr and "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------ packed MXFP4 experts
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt_oss_20b"])
+def test_param_bytes_equal_nbytes_of_the_real_model_with_packed_experts(name):
+    cfg = model(name).replace(expert_format="mxfp4")
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    measured = dict.fromkeys(d.PARAM_COMPONENTS, 0)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        keys = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+        measured[component_of(keys)] += int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+    assert d.param_bytes(cfg) == pytest.approx(measured, rel=0, abs=0)
+    w = d.expert_weight_params(cfg)  # 4.25 bits a value: blocks (4 bits) + a scale byte per 32
+    assert measured["experts"] - d.param_bytes(cfg.replace(expert_format="dense"))["experts"] \
+        == w * 4.25 / 8 - w * jnp.dtype(cfg.param_dtype).itemsize
+
+
+def test_packed_experts_are_frozen_so_memory_has_no_grads_or_moments_for_them():
+    from llm_jax.model.params import TRAINABLE
+
+    cfg = model("tiny").replace(expert_format="mxfp4")
+    trained = nnx.state(abstract_model(cfg), TRAINABLE)
+    assert sum(d.trainable_counts(cfg).values()) == sum(
+        int(np.prod(x.shape)) for x in jax.tree.leaves(trained))
+    mesh = parse_mesh("")
+    packed = d.memory_per_device(cfg, batch=1, seq_len=64, mesh=mesh)
+    dense = d.memory_per_device(cfg.replace(expert_format="dense"), batch=1, seq_len=64, mesh=mesh)
+    saved = d.expert_weight_params(cfg)
+    assert dense["adam_m_v"] - packed["adam_m_v"] == pytest.approx(saved * 8)
+    assert packed["params"] == pytest.approx(sum(d.param_bytes(cfg).values()))
+
+
+def test_inference_memory_is_weights_plus_kv_cache_plus_the_unpacked_experts():
+    cfg = model("gpt_oss_20b").replace(expert_format="mxfp4")
+    one = parse_mesh("")
+    m = d.inference_memory_per_device(cfg, batch=1, context=4096, mesh=one)
+    assert m["weights"] == pytest.approx(sum(d.param_bytes(cfg).values()))
+    assert m["kv_cache"] == d.kv_cache_bytes(cfg, 4096)
+    expert = 3 * cfg.hidden_size * cfg.intermediate_size * 2  # bfloat16
+    assert m["unpacked_experts"] == cfg.num_experts * expert  # a prefill unpacks the layer
+    assert 13 * 2**30 < m["total"] < 16 * 2**30  # the 20b's prefill + decode: one v5e chip
+    eight = parse_mesh("expert=8")
+    assert d.inference_memory_per_device(cfg, batch=1, context=4096, mesh=eight)[
+        "unpacked_experts"] == cfg.num_experts // 8 * expert
+    assert d.inference_memory_per_device(cfg.replace(expert_format="dense"), batch=1,
+                                         context=4096, mesh=one)["unpacked_experts"] == 0
+
+
+def test_a_decode_step_reads_the_chosen_experts_packed_and_every_other_matrix_once():
+    cfg = model("gpt_oss_20b").replace(expert_format="mxfp4")
+    nbytes = d.param_bytes(cfg)
+    one = d.decode_bytes_per_step(cfg, batch=1, context=1)
+    assert one["experts"] == pytest.approx(nbytes["experts"] * cfg.experts_per_token
+                                           / cfg.num_experts)
+    assert one["weights"] == pytest.approx(sum(nbytes.values()) - nbytes["embedding"]
+                                           - nbytes["experts"])
+    assert d.decode_bytes_per_step(cfg, batch=64, context=1)["experts"] == nbytes["experts"]
+    dense = d.decode_bytes_per_step(cfg.replace(expert_format="dense"), batch=1, context=1)
+    assert 3.5 < dense["experts"] / one["experts"] < 3.8  # 16 bits against 4.25

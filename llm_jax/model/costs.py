@@ -19,6 +19,7 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.model.kv_cache import layer_slots
 from llm_jax.model.moe_dispatch import capacity
+from llm_jax.model.mxfp4 import BITS_PER_VALUE
 from llm_jax.model.transformer import abstract_model
 from llm_jax.parallel.sharding import logical_to_spec, spec_axes
 
@@ -51,6 +52,33 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "norms": (2 * L + 1) * per_norm,
         "unembedding": V * D,
     }
+
+
+def expert_weight_params(cfg: ModelConfig) -> int:
+    """The expert matrices' values (no biases): L E 3 D F, what MXFP4 packs."""
+    return cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def param_bytes(cfg: ModelConfig) -> dict[str, float]:
+    """Bytes stored per component: param_dtype, float32 for sinks, router and norms; packed
+    MXFP4 expert matrices (expert_format='mxfp4') at BITS_PER_VALUE = 4.25 bits a value (blocks
+    + one scale byte per 32), their biases in param_dtype."""
+    pd = jnp.dtype(cfg.param_dtype).itemsize
+    counts = param_counts(cfg)
+    out = {n: c * (4 if n in ("sinks", "router", "norms") else pd) for n, c in counts.items()}
+    if cfg.expert_format == "mxfp4":
+        w = expert_weight_params(cfg)
+        out["experts"] = w * BITS_PER_VALUE / 8 + (counts["experts"] - w) * pd
+    return out
+
+
+def trainable_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters an optimizer updates per component: all, but packed expert matrices are
+    frozen (model/params.py TRAINABLE), so with expert_format='mxfp4' only their biases."""
+    counts = param_counts(cfg)
+    if cfg.expert_format == "mxfp4":
+        counts["experts"] -= expert_weight_params(cfg)
+    return counts
 
 
 def total_params(cfg: ModelConfig) -> int:
@@ -246,15 +274,15 @@ MEMORY_ASSUMPTIONS = (
 )
 
 
-def param_shards(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, tuple[int, int]]:
-    """Per component: (bytes per stored value, number of shards)."""
-    pd = jnp.dtype(cfg.param_dtype).itemsize
+def param_shards(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, tuple[float, int]]:
+    """Per component: (mean bytes per stored value, number of shards); packed experts average
+    their 4.25-bit matrices with their biases (`param_bytes`)."""
     f, t, e = mesh["fsdp"], mesh["tensor"], mesh["expert"]
-    return {
-        "embedding": (pd, f * t), "q": (pd, f * t), "k": (pd, f * t), "v": (pd, f * t),
-        "o": (pd, f * t), "sinks": (4, f * t), "router": (4, f * e),
-        "experts": (pd, f * t * e), "norms": (4, f), "unembedding": (pd, f * t),
-    }
+    shards = {"embedding": f * t, "q": f * t, "k": f * t, "v": f * t, "o": f * t,
+              "sinks": f * t, "router": f * e, "experts": f * t * e, "norms": f,
+              "unembedding": f * t}
+    counts, nbytes = param_counts(cfg), param_bytes(cfg)
+    return {n: (nbytes[n] / counts[n], s) for n, s in shards.items()}
 
 
 def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, num_tokens: int) -> float:
@@ -280,16 +308,67 @@ def memory_per_device(
             f"--batch={batch} is invalid for --mesh data={mesh['data']},fsdp={mesh['fsdp']},"
             f"expert={mesh['expert']}: expected a multiple of data x fsdp x expert = "
             f"{batch_shards}")
-    counts = param_counts(cfg)
+    counts, trained = param_counts(cfg), trainable_counts(cfg)
     shards = param_shards(cfg, mesh)
     params = sum(counts[n] * b / s for n, (b, s) in shards.items())
-    adam = sum(counts[n] * 2 * 4 / s for n, (_, s) in shards.items())
+    grads = sum(trained[n] * b / s for n, (b, s) in shards.items())
+    adam = sum(trained[n] * 2 * 4 / s for n, (_, s) in shards.items())
     tokens = batch // batch_shards * seq_len
     activations = tokens * activation_bytes_per_token(cfg, seq_len, batch * seq_len)
-    out = {"params": params, "grads": params, "adam_m_v": adam, "activations": activations}
+    out = {"params": params, "grads": grads, "adam_m_v": adam, "activations": activations}
     out["total"] = sum(out.values())
     out.update(mesh=mesh, devices=math.prod(mesh.values()), tokens_per_device=tokens,
                assumptions=list(MEMORY_ASSUMPTIONS))
+    return out
+
+
+INFERENCE_ASSUMPTIONS = (
+    "weights sharded as for training (param_bytes: packed experts at 4.25 bits a value)",
+    "KV cache (costs.kv_cache_bytes, compute dtype) over the batch's mesh axes and kv heads "
+    "over tensor, ideal division",
+    "unpacked experts: the widest the dispatches unpack at once, in compute dtype: a prefill "
+    "(T k > E) unpacks a layer's local stack E / (expert x tensor x fsdp) x 3DF, a decode step "
+    "(gather) its min(E, B k) chosen experts; 0 for dense experts",
+    "logits: B x V float32 at the last position; not counted: the prefill's activations "
+    "(one layer's, freed as the scan moves on), XLA temporaries, compiled code",
+)
+
+
+def inference_memory_per_device(cfg: ModelConfig, *, batch: int, context: int,
+                                mesh: dict[str, int]) -> dict[str, Any]:
+    """Estimated bytes per device to generate: weights + KV cache of `batch` sequences of up
+    to `context` positions + the widest unpacked expert stack + logits (INFERENCE_ASSUMPTIONS)."""
+    counts, shards = param_counts(cfg), param_shards(cfg, mesh)
+    weights = sum(counts[n] * b / s for n, (b, s) in shards.items())
+    batch_shards = max(1, min(batch, mesh["data"] * mesh["fsdp"] * mesh["expert"]))
+    kv = kv_cache_bytes(cfg, context, batch=batch) / batch_shards / min(
+        mesh["tensor"], cfg.num_key_value_heads)
+    expert = 3 * cfg.hidden_size * cfg.intermediate_size * jnp.dtype(cfg.dtype).itemsize
+    local = cfg.num_experts / (mesh["expert"] * mesh["tensor"] * mesh["fsdp"])
+    unpacked = 0.0
+    if cfg.expert_format == "mxfp4":
+        unpacked = max(local, min(cfg.num_experts, batch * cfg.experts_per_token)) * expert
+        if context * batch * cfg.experts_per_token <= cfg.num_experts:  # only decode steps
+            unpacked = min(cfg.num_experts, batch * cfg.experts_per_token) * expert
+    out = {"weights": weights, "kv_cache": kv, "unpacked_experts": unpacked,
+           "logits": batch * cfg.vocab_size * 4.0}
+    out["total"] = sum(out.values())
+    out.update(mesh=mesh, devices=math.prod(mesh.values()), batch=batch, context=context,
+               assumptions=list(INFERENCE_ASSUMPTIONS))
+    return out
+
+
+def decode_bytes_per_step(cfg: ModelConfig, *, batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step reads from memory (one device): every non-expert matrix once
+    (attention, router, unembedding; the embedding is a row lookup), the min(E, B k) experts
+    the batch chose in each layer (packed or dense, with their biases), and the KV cache at
+    `context`. Divided by the machine's memory bandwidth: a lower bound on the step's time."""
+    nbytes = param_bytes(cfg)
+    experts_read = min(cfg.num_experts, batch * cfg.experts_per_token) / cfg.num_experts
+    out = {"weights": sum(v for n, v in nbytes.items() if n not in ("embedding", "experts")),
+           "experts": nbytes["experts"] * experts_read,
+           "kv_cache": float(kv_cache_bytes(cfg, context, batch=batch))}
+    out["total"] = sum(out.values())
     return out
 
 

@@ -35,6 +35,14 @@ FP4_VALUES = np.array(
 )
 MXFP4_BLOCK = 32  # values per scale
 SCALE_BIAS = 127  # E8M0: byte s is 2^(s - 127)
+FP4_RMS = float(np.sqrt(np.mean(FP4_VALUES ** 2)))  # 2.93: rms of codes drawn uniformly
+BITS_PER_VALUE = (MXFP4_BLOCK * 4 + 8) / MXFP4_BLOCK  # 4.25: a 4-bit code + a byte per 32
+
+
+def random_scale(std: float) -> int:
+    """The E8M0 scale byte that gives codes drawn uniformly over the 16 E2M1 values (rms
+    FP4_RMS) a standard deviation near `std`: the power of two nearest std / FP4_RMS."""
+    return round(SCALE_BIAS + np.log2(std / FP4_RMS))
 
 
 def unpack(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:

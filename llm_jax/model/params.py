@@ -7,12 +7,13 @@ them onto mesh axes. Eager sharding is off so that a model can be built without 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from llm_jax.model.mxfp4 import random_scale
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
@@ -44,7 +45,7 @@ def packed_param(rngs: nnx.Rngs, blocks_shape: tuple[int, ...], scales_shape: tu
     """Random MXFP4 (blocks, scales) for an expert stack quantized along its input: `axes` names
     (experts, out, in) of the dense stack; the blocks' last axis (16 bytes) is unnamed. Codes are
     uniform over the 16 E2M1 values (rms 2.93), the scale the power of two nearest std / 2.93."""
-    scale = round(127 + math.log2(std / 2.93))
+    scale = random_scale(std)
     blocks = jax.random.randint(rngs.params(), blocks_shape, 0, 256, jnp.int32).astype(jnp.uint8)
     scales = jnp.full(scales_shape, scale, jnp.uint8)
     return (PackedParam(blocks, out_sharding=(*axes, None), eager_sharding=False),

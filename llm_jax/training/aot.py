@@ -8,8 +8,10 @@ nothing is allocated, and `compiled.memory_analysis()` gives per-chip bytes: arg
 optimizer state, batch), outputs, temporaries; the state is donated, so outputs alias it. Next
 to it, the arithmetic estimate of `costs.memory_per_device`.
 
-`compile_generate` does the same for the generation program (`llm_jax.sample` with a mesh), from
-Python.
+`compile_generate` does the same for the generation program (`llm_jax.sample` with a mesh), and
+`compile_inference` reports its per-chip memory as `compile_train_step` does (`python -m
+llm_jax.compile --program generate`). A run config with `lora.rank > 0` compiles the LoRA
+train step (QLoRA with `model.expert_format=mxfp4`: the packed base frozen).
 
 Topology names: `v5p-N`, `v4-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N` count chips
 (Cloud TPU accelerator types); or libtpu's own `v5p:2x2x4`.
@@ -31,10 +33,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from llm_jax.inference.loop import generate_jit
 from llm_jax.inference.sampler import program_inputs
 from llm_jax.model import abstract_model, costs
+from llm_jax.model.lora_costs import finetune_memory_per_device
 from llm_jax.model.select import kernels_line
 from llm_jax.parallel import roofline
-from llm_jax.parallel.sharding import MESH_AXES, make_mesh
+from llm_jax.parallel.sharding import MESH_AXES, make_mesh, state_shardings
 from llm_jax.runtime.backend import compiling_for
+from llm_jax.training import finetune
 from llm_jax.training.run_config import model_config
 from llm_jax.training.step import compile_steps
 
@@ -73,8 +77,11 @@ def tpu_devices(name: str, num_slices: int = 1) -> list[Any]:
     # Compile-only use: let several processes (parallel tests, two compiles) load libtpu.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    libtpu_name = topology_name(name)
+    if libtpu_name.endswith(":1x1"):  # one chip: libtpu's default host is 2x2 chips
+        kwargs["chips_per_host_bounds"] = (1, 1, 1)
     try:
-        return list(topologies.get_topology_desc(topology_name=topology_name(name),
+        return list(topologies.get_topology_desc(topology_name=libtpu_name,
                                                  platform="tpu", **kwargs).devices)
     except (RuntimeError, ImportError) as e:  # no libtpu
         raise RuntimeError(f"cannot describe TPU topology {name!r}: {e}; install libtpu with "
@@ -96,7 +103,11 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     m = make_mesh(mesh, devices, dcn_sizes=dcn if dcn and any(v > 1 for v in dcn.values())
                   else None)
     t0 = time.perf_counter()
-    steps = compile_steps(cfg, tc, m, run_cfg.seed)
+    lora = run_cfg.get("lora")
+    rank = lora.rank if lora is not None else 0
+    kw = ({"model_fn": finetune.model_fn(cfg, lora, run_cfg.seed),
+           "trainable": finetune.trainable(lora)} if rank else {})
+    steps = compile_steps(cfg, tc, m, run_cfg.seed, **kw)
     tokens = jax.ShapeDtypeStruct((tc.batch_size, seq_len), jnp.int32,
                                   sharding=steps.batch_sharding)
     platform = getattr(devices[0], "platform", "tpu")
@@ -105,14 +116,15 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    ma = compiled.memory_analysis()
-    args, out, alias = ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes
-    temp, code = ma.temp_size_in_bytes, ma.generated_code_size_in_bytes
-    total = args + out - alias + temp + code
     kind = devices[0].device_kind
-    hbm = HBM_BYTES.get(kind)
+    memory = _memory(compiled, kind)
     sizes = dict(m.shape)
     estimate = costs.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes)
+    if rank:  # LoRA (QLoRA over packed experts): adapters trained, the base frozen
+        estimate = finetune_memory_per_device(
+            cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes, rank=rank,
+            targets=finetune.lora_targets(lora))["lora"]
+        estimate["grads"] += estimate.pop("adapted_layer")  # the float32 w + AB and its grad
     kernels = roofline.kernels_in(compiled.as_text())
     step_cost = roofline.cost(compiled)
     model_flops = costs.flops_per_token(cfg, seq_len, training=True) * tc.batch_size * seq_len
@@ -120,32 +132,78 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
                               model_flops / len(devices))
     return {
         "name": run_cfg.get("name", ""), "device_kind": kind, "devices": len(devices),
+        "program": f"train step, LoRA rank {rank}" if rank else "train step",
+        "expert_format": cfg.expert_format,
         "mesh": sizes, "batch": tc.batch_size, "seq_len": seq_len,
         "moe_dispatch": cfg.moe_dispatch, "remat": cfg.remat,
         "selected": kernels_line(cfg, tc.batch_size, seq_len, platform),
         "kernels": kernels, "kernel_families": roofline.kernel_families(kernels),
         "cost": step_cost, "model_flops_per_chip": model_flops / len(devices),
         "roofline": bound,
-        "lower_seconds": t1 - t0, "compile_seconds": t2 - t1,
-        "bytes": {"arguments": args, "outputs": out, "aliased": alias, "temp": temp,
-                  "code": code, "total": total,
-                  "peak": getattr(ma, "peak_memory_in_bytes", 0)},
-        "hbm_bytes": hbm, "fits": None if hbm is None else total <= hbm,
+        "lower_seconds": t1 - t0, "compile_seconds": t2 - t1, **memory,
         "estimate": {k: estimate[k] for k in ("params", "grads", "adam_m_v", "activations",
                                               "total")},
     }
 
 
-def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int) -> Any:
+def _memory(compiled: Any, kind: str) -> dict[str, Any]:
+    """Per-chip bytes of a compiled program (memory_analysis) and whether they fit the HBM."""
+    ma = compiled.memory_analysis()
+    args, out, alias = ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes
+    temp, code = ma.temp_size_in_bytes, ma.generated_code_size_in_bytes
+    total = args + out - alias + temp + code
+    hbm = HBM_BYTES.get(kind)
+    return {"bytes": {"arguments": args, "outputs": out, "aliased": alias, "temp": temp,
+                      "code": code, "total": total,
+                      "peak": getattr(ma, "peak_memory_in_bytes", 0)},
+            "hbm_bytes": hbm, "fits": None if hbm is None else total <= hbm}
+
+
+def compile_inference(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
+                      mesh: dict[str, int] | None = None, batch: int = 1,
+                      prompt_len: int = 4096, new_tokens: int = 128) -> dict[str, Any]:
+    """Lowers and compiles generation (`llm_jax.sample`: the prefill of `batch` prompts of
+    `prompt_len` and the decode loop of `new_tokens`, greedy) for `devices`, the weights
+    sharded by the logical-axis rules; per-chip memory next to costs.inference_memory_per_device."""
+    cfg = model_config(run_cfg)
+    if mesh is None:
+        mesh = {a: run_cfg.mesh[a] for a in MESH_AXES}
+    m = make_mesh(mesh, devices)
+    t0 = time.perf_counter()
+    compiled = compile_generate(cfg, m, batch=batch, prompt_len=prompt_len,
+                                new_tokens=new_tokens, shard_weights=True)
+    seconds = time.perf_counter() - t0
+    kind = devices[0].device_kind
+    sizes = dict(m.shape)
+    estimate = costs.inference_memory_per_device(cfg, batch=batch,
+                                                 context=prompt_len + new_tokens, mesh=sizes)
+    return {"name": run_cfg.get("name", ""), "device_kind": kind, "devices": len(devices),
+            "program": "generate (prefill + decode loop)", "expert_format": cfg.expert_format,
+            "mesh": sizes, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "moe_dispatch": cfg.moe_dispatch,
+            "selected": kernels_line(cfg, batch, prompt_len, getattr(devices[0], "platform",
+                                                                     "tpu")),
+            "kernels": roofline.kernels_in(compiled.as_text()),
+            "compile_seconds": seconds, **_memory(compiled, kind),
+            "estimate": {k: estimate[k] for k in ("weights", "kv_cache", "unpacked_experts",
+                                                  "logits", "total")}}
+
+
+def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int,
+                     shard_weights: bool = False) -> Any:
     """The compiled program of `llm_jax.sample(model, prompts, mesh=mesh)` for `cfg` (greedy,
-    `batch` prompts of `prompt_len`, `new_tokens` new), lowered with abstract, replicated
-    weights on `mesh`'s devices, for their platform: does sharded generation compile there?"""
+    `batch` prompts of `prompt_len`, `new_tokens` new), lowered with abstract weights on
+    `mesh`'s devices, for their platform: replicated, or `shard_weights` by the logical-axis
+    rules (a model larger than one chip)."""
     plan, args = program_inputs(cfg, [[0] * prompt_len] * batch, new_tokens, 0.0, 0, 1.0, 0,
                                 None, False, max_len=None, cache_dtype=None, mesh=mesh)
     graphdef, state = nnx.split(abstract_model(cfg))
     rep = NamedSharding(mesh, PartitionSpec())
-    state, args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                               (state, args))
+    shardings = (state_shardings(state, mesh) if shard_weights
+                 else jax.tree.map(lambda _: rep, state))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         state, shardings)
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), args)
     with compiling_for(mesh.devices.flat[0].platform):
         lowered = generate_jit.lower(graphdef, state, *args, plan=plan)
     return lowered.compile()

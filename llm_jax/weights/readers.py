@@ -47,7 +47,7 @@ from llm_jax.weights.configs import (
     model_config_from_fields,
     openai_config_to_model_config,
 )
-from llm_jax.weights.flat import abstract_targets, model_from_params
+from llm_jax.weights.flat import abstract_targets, aligned_empty, model_from_params
 from llm_jax.weights.json_fields import Fields, read_json_object
 from llm_jax.weights.layouts import (
     HF_INDEX,
@@ -174,19 +174,19 @@ def _read_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
     params: dict[str, np.ndarray] = {}
     for spec in top:
         t = targets[spec.key]
-        params[spec.key] = np.empty(t.shape, t.dtype)
+        params[spec.key] = aligned_empty(t.shape, t.dtype)
         _read_spec(store, spec, spec.src, params[spec.key])
     for spec in layer:
         key = f"layers.{spec.key}"
         if key + "_blocks" in targets:
             tb, ts = targets[key + "_blocks"], targets[key + "_scales"]
-            blocks = params[key + "_blocks"] = np.empty(tb.shape, tb.dtype)
-            scales = params[key + "_scales"] = np.empty(ts.shape, ts.dtype)
+            blocks = params[key + "_blocks"] = aligned_empty(tb.shape, tb.dtype)
+            scales = params[key + "_scales"] = aligned_empty(ts.shape, ts.dtype)
             for n in range(cfg.num_hidden_layers):
                 _read_packed(store, spec, spec.src.format(n=n), blocks[n], scales[n])
             continue
         t = targets[key]
-        out = params[key] = np.empty(t.shape, t.dtype)
+        out = params[key] = aligned_empty(t.shape, t.dtype)
         for n in range(cfg.num_hidden_layers):
             _read_spec(store, spec, spec.src.format(n=n), out[n])
     return params

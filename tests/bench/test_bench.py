@@ -44,6 +44,12 @@ EXPECTED = {
     and r["latency"]["alone_s"] > 0 and r["latency"]["busy_s"] > 0
     and len(r["prompt_lengths"]) == r["requests"] and r["server_runs"][0]["tokens"] == r[
         "requests"] * r["new_tokens"],
+    "mxfp4": lambda r: r["llm_jax"]["load"]["expert_format"] == "mxfp4"
+    and r["llm_jax"]["prefill"]["finite"] and r["llm_jax"]["qlora"]["step_s"] > 0
+    and np.isfinite(r["llm_jax"]["qlora"]["loss"])
+    and all(r["llm_jax"][f"decode_b{b}"]["tokens_per_s"] > 0 for b in (1, 4))
+    and all(r["llm_jax"][p]["peak_rss_bytes"] > 2**20 for p in ("load", "prefill", "qlora"))
+    and r["llm_jax"]["load"]["param_bytes"] == r["param_bytes_predicted"],
 }
 EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf"]}
 
