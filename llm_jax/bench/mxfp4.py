@@ -44,6 +44,7 @@ from llm_jax.bench.train import quick_model_config
 from llm_jax.config import ModelConfig
 from llm_jax.model.costs import decode_bytes_per_step, format_bytes, param_bytes
 from llm_jax.model.mxfp4 import random_scale
+from llm_jax.training.run_config import model_config
 from llm_jax.weights.configs import model_config_to_hf_config
 from llm_jax.weights.layouts import HF_INDEX, hf_specs, packed_shapes
 from llm_jax.weights.tensor_store import save_safetensors
@@ -57,7 +58,7 @@ def gpt_oss_20b_config() -> ModelConfig:
     spec = importlib.util.spec_from_file_location("_bench_gpt_oss_20b", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return ModelConfig.from_dict(module.get_config().model.to_dict())
+    return model_config(module.get_config())
 
 
 # ---------------------------------------------------------------------------------------------

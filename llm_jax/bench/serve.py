@@ -37,11 +37,11 @@ from flax import nnx
 
 from llm_jax.bench.common import machine, median, table
 from llm_jax.bench.train import quick_model_config, tiny_run_config
-from llm_jax.config import ModelConfig
 from llm_jax.inference.loop import bucket, prefill
 from llm_jax.inference.sampler import sample
 from llm_jax.model import init_model
 from llm_jax.model.kv_cache import init_cache
+from llm_jax.training.run_config import model_config
 from llm_jax.weights.writers import save_llm_jax
 
 
@@ -173,7 +173,7 @@ def _sample_times(model, prompts: list[list[int]], new_tokens: int,
 
 def run(*, repeats: int = 3, quick: bool = False, requests: int = 32, new_tokens: int = 128,
         min_prompt: int = 16, max_prompt: int = 256, seed: int = 0) -> dict[str, Any]:
-    cfg = ModelConfig.from_dict(tiny_run_config().model.to_dict())
+    cfg = model_config(tiny_run_config())
     if quick:
         cfg, requests, new_tokens, min_prompt, max_prompt, repeats = (
             quick_model_config(), 4, 16, 4, 24, 1)
