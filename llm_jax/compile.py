@@ -3,7 +3,7 @@ simulated CPU mesh, with its per-chip memory (the compiling is llm_jax/training/
 
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5p-32 \\
         --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\
-        [--config.model.moe_dispatch=expert_parallel ...] [--json]
+        [--config.model.moe_dispatch=expert_parallel ...] [--json] [--hlo_out FILE]
     python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
 
 With --topology the devices are libtpu's compile-only description of that TPU slice (pip install
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> None:
         mesh = parse_mesh(FLAGS.mesh, allow_fill=True) if FLAGS.mesh else None
         dcn = parse_mesh(FLAGS.dcn) if FLAGS.dcn else None
         result = compile_train_step(FLAGS.config, devices, mesh=mesh, dcn=dcn, batch=FLAGS.batch,
-                                    seq_len=FLAGS.seq_len)
+                                    seq_len=FLAGS.seq_len, hlo_out=FLAGS.hlo_out or None)
     except (ValueError, RuntimeError) as e:
         fail("llm_jax.compile", e)
     print(json.dumps(result, indent=2) if FLAGS.json else format_result(result))
@@ -96,6 +96,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
     flags.DEFINE_integer("seq_len", None, "sequence length (default: data.seq_len)")
     flags.DEFINE_bool("json", False, "print the result as JSON")
+    flags.DEFINE_string("hlo_out", "", "also write the compiled program's HLO text to this file")
     flags.mark_flag_as_required("config")
 
 

@@ -192,6 +192,16 @@ def mesh_axes(mesh: Mesh | jax.sharding.AbstractMesh, names: Sequence[str | None
     return tuple(a for e in spec for a in spec_axes(e) if mesh.shape[a] > 1 and a not in manual)
 
 
+def shard_count(size: int, name: str, rules=RULES) -> int:
+    """How many ways the current (abstract) mesh splits a dimension of `size` with logical
+    `name`, as `constrain` would: 1 without a mesh, or when its mesh axes do not divide `size`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    n = math.prod(mesh.shape[a] for a in mesh_axes(mesh, (name,), rules))
+    return n if size % n == 0 else 1
+
+
 def logical_axes(names: Sequence[str | None], rules=RULES) -> tuple[str, ...]:
     """All mesh axes the logical `names` map onto, in order (e.g. batch -> data, fsdp, expert)."""
     return tuple(a for e in logical_to_spec(names, rules) for a in spec_axes(e))
