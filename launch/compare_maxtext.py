@@ -174,11 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     flops = model_flops_per_chip(a)
     path = out_dir / f"{name}.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
     sides = {"llm_jax": llm_jax_side, "maxtext": maxtext_side}
     for side in sides if a.side == "both" else (a.side,):
-        results[side] = with_roofline(sides[side](a, out_dir, name), flops)
+        r = with_roofline(sides[side](a, out_dir, name), flops)
+        results = json.loads(path.read_text()) if path.exists() else {}  # re-read: another side
+        results[side] = r
         path.write_text(json.dumps(results, indent=2))
+    results = json.loads(path.read_text())
     print(HEADER)
     for r in results.values():
         print(markdown_row(a, r))

@@ -34,7 +34,10 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("layers", None),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),  # weights: ZeRO-3 over fsdp; activations: taken by batch first
+    # weights: ZeRO-3 over fsdp, and over expert for the weights that `experts` does not split
+    # (embeddings, attention, norms: as MaxText's fsdp-on-expert layout); activations: taken by
+    # batch first
+    ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
