@@ -111,6 +111,32 @@ def sort_by_expert(experts_Tk: jax.Array, num_experts: int) -> Sorted:
                   jnp.bincount(experts_A, length=num_experts).astype(jnp.int32))
 
 
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    """inv with inv[order[i]] = i: a scatter of int32 indices, not of rows."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+@jax.custom_vjp
+def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[order] for a permutation `order` (and its `inverse`), whose gradient is the gather
+    g[inverse]: neither direction scatters rows. XLA:TPU lowers a row scatter of bfloat16 through
+    32-bit copies of the whole buffer ([R, D] u32), and a gather's own transpose is a
+    scatter-add."""
+    return x[order]
+
+
+def _permute_rows_fwd(x, order, inverse):
+    return x[order], (order, inverse)
+
+
+def _permute_rows_bwd(res, g):
+    order, inverse = res
+    return g[inverse], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def unsort(y_AD: jax.Array, order_A: jax.Array) -> jax.Array:
     """Rows in sorted order back to (token, choice) order."""
     return jnp.zeros_like(y_AD).at[order_A].set(y_AD)
