@@ -59,9 +59,10 @@ def stack_spec(w: ExpertStack, spec: tuple) -> Any:
 
 
 def _clamped(h: jax.Array, limit: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(glu input, linear input, clamped glu, clamped linear), in float32."""
-    hf = h.astype(jnp.float32)
-    glu_in, lin_in = hf[..., 0::2], hf[..., 1::2]
+    """(glu input, linear input, clamped glu, clamped linear), in float32. The strided halves
+    are taken in h's dtype and then widened (the same values): XLA:TPU materialises a strided
+    lane slice, and in bfloat16 it is half the bytes."""
+    glu_in, lin_in = h[..., 0::2].astype(jnp.float32), h[..., 1::2].astype(jnp.float32)
     return glu_in, lin_in, jnp.minimum(glu_in, limit), jnp.clip(lin_in, -limit, limit)
 
 
@@ -89,7 +90,8 @@ def _swiglu_bwd(limit, h, g):
     sig = jax.nn.sigmoid(SWIGLU_ALPHA * glu)
     dglu = g * (lin + 1.0) * sig * (1.0 + SWIGLU_ALPHA * glu * (1.0 - sig)) * (glu_in <= limit)
     dlin = g * glu * sig * (jnp.abs(lin_in) <= limit)
-    return (jnp.stack([dglu, dlin], axis=-1).reshape(h.shape).astype(h.dtype),)
+    # rounded before interleaving (the same values): the interleaved copy is in h's dtype
+    return (jnp.stack([dglu.astype(h.dtype), dlin.astype(h.dtype)], axis=-1).reshape(h.shape),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
