@@ -27,5 +27,8 @@ def get_config() -> ml_collections.ConfigDict:
         dtype="bfloat16",
         param_dtype="bfloat16",
         moe_dispatch="auto",  # dropless: the megablox gmm kernel on TPU, ragged_dot on GPU
+        # 2,048 tokens per device and chunk of the fused loss: at 8k tokens per chip, 4 chunks
+        # (1.5 GiB of float32 logits each), unrolled; compiled choice in docs/scaling.md
+        loss_chunk_tokens=2048,
     )
     return default_run_config("gpt_oss_20b", model)

@@ -3,7 +3,7 @@ slice or a simulated CPU mesh, with its per-chip memory (the compiling is llm_ja
 
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5p-32 \\
         --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\
-        [--config.model.moe_dispatch=expert_parallel ...] [--json]
+        [--config.model.moe_dispatch=expert_parallel ...] [--json] [--hlo_out FILE]
     python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5e-1 --program generate \
         --config.model.expert_format=mxfp4 [--batch 1 --prompt_len 4096 --new_tokens 128]
@@ -113,7 +113,8 @@ def main(argv: list[str]) -> None:
                                        new_tokens=FLAGS.new_tokens)
         else:
             result = compile_train_step(FLAGS.config, devices, mesh=mesh, dcn=dcn,
-                                        batch=FLAGS.batch, seq_len=FLAGS.seq_len)
+                                        batch=FLAGS.batch, seq_len=FLAGS.seq_len,
+                                        hlo_out=FLAGS.hlo_out or None)
     except (ValueError, RuntimeError) as e:
         fail("llm_jax.compile", e)
     print(json.dumps(result, indent=2) if FLAGS.json else format_result(result))
@@ -137,6 +138,7 @@ def _define_flags() -> None:
                          "else 4096)")
     flags.DEFINE_integer("new_tokens", 128, "generate: tokens decoded after the prompt")
     flags.DEFINE_bool("json", False, "print the result as JSON")
+    flags.DEFINE_string("hlo_out", "", "also write the compiled program's HLO text to this file")
     flags.mark_flag_as_required("config")
 
 

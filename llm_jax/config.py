@@ -28,7 +28,7 @@ EXPERT_FORMATS = ("dense", "mxfp4")
 NORM_TYPES = ("rms", "layer")
 # How the same function is executed: changing them never changes a result, so a run may resume
 # with other values.
-EXECUTION_FIELDS = ("remat", "scan_layers", "attention_impl")
+EXECUTION_FIELDS = ("remat", "scan_layers", "attention_impl", "loss_chunk_tokens")
 
 # Fixed by the gpt-oss reference, not design decisions (docs/model.md).
 RMS_NORM_EPS = 1e-5
@@ -81,6 +81,10 @@ class ModelConfig:
     norm_type: str = "rms"  # rms (gpt-oss) | layer (LayerNorm, for the norm benchmark)
     remat: bool = False  # recompute each layer's activations in the backward pass
     scan_layers: bool = True  # one lax.scan over the stacked layers; False unrolls the loop
+    # Tokens per batch shard (per device) in one chunk of the fused unembedding + cross-entropy
+    # (model/unembed_loss.py): each chunk holds [tokens, vocab] float32 logits and re-reads the
+    # unembedding and its float32 gradient, so larger chunks read those fewer times.
+    loss_chunk_tokens: int = 256
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
@@ -103,7 +107,7 @@ class ModelConfig:
         positive_ints = (
             "num_hidden_layers", "num_experts", "experts_per_token", "vocab_size", "hidden_size",
             "intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads",
-            "initial_context_length",
+            "initial_context_length", "loss_chunk_tokens",
         )
         for name in positive_ints:
             if getattr(self, name) <= 0:

@@ -103,6 +103,9 @@ FIELD_DOCS: dict[str, str] = {
              "inputs, for ~1 extra forward",
     "scan_layers": "True: one lax.scan over the stacked layers (compile time flat in depth); "
                    "False: the loop unrolled (no stacked carry buffers; faster for few layers)",
+    "loss_chunk_tokens": "tokens per device in one chunk of the fused unembedding + loss: each "
+                         "holds [tokens, vocab] float32 logits; fewer chunks re-read the "
+                         "unembedding and its gradient fewer times",
     "initializer_range": "std of the normal initialiser (output projections / sqrt(2L))",
 }
 

@@ -40,6 +40,7 @@ def test_defaults_are_the_books_sixteen_numbers():
         ({"prms_fraction": 1.5}, "prms_fraction"),
         ({"vocab_size": 8000.0}, "vocab_size"),
         ({"swiglu_limit": 0.0}, "swiglu_limit"),
+        ({"loss_chunk_tokens": 0}, "loss_chunk_tokens"),
     ],
 )
 def test_invalid_config_raises_value_error_naming_the_field(changes, field):

@@ -81,9 +81,10 @@ def expert_einsum(spec: str, x: jax.Array, w: ExpertStack, bias: jax.Array | Non
 
 
 def _clamped(h: jax.Array, limit: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(glu input, linear input, clamped glu, clamped linear), in float32."""
-    hf = h.astype(jnp.float32)
-    glu_in, lin_in = hf[..., 0::2], hf[..., 1::2]
+    """(glu input, linear input, clamped glu, clamped linear), in float32. The strided halves
+    are taken in h's dtype and then widened (the same values): XLA:TPU materialises a strided
+    lane slice, and in bfloat16 it is half the bytes."""
+    glu_in, lin_in = h[..., 0::2].astype(jnp.float32), h[..., 1::2].astype(jnp.float32)
     return glu_in, lin_in, jnp.minimum(glu_in, limit), jnp.clip(lin_in, -limit, limit)
 
 
@@ -111,7 +112,8 @@ def _swiglu_bwd(limit, h, g):
     sig = jax.nn.sigmoid(SWIGLU_ALPHA * glu)
     dglu = g * (lin + 1.0) * sig * (1.0 + SWIGLU_ALPHA * glu * (1.0 - sig)) * (glu_in <= limit)
     dlin = g * glu * sig * (jnp.abs(lin_in) <= limit)
-    return (jnp.stack([dglu, dlin], axis=-1).reshape(h.shape).astype(h.dtype),)
+    # rounded before interleaving (the same values): the interleaved copy is in h's dtype
+    return (jnp.stack([dglu.astype(h.dtype), dlin.astype(h.dtype)], axis=-1).reshape(h.shape),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -131,6 +133,32 @@ def sort_by_expert(experts_Tk: jax.Array, num_experts: int) -> Sorted:
     order_A = jnp.argsort(experts_A, stable=True)
     return Sorted(order_A, experts_A[order_A],
                   jnp.bincount(experts_A, length=num_experts).astype(jnp.int32))
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    """inv with inv[order[i]] = i: a scatter of int32 indices, not of rows."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+@jax.custom_vjp
+def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[order] for a permutation `order` (and its `inverse`), whose gradient is the gather
+    g[inverse]: neither direction scatters rows. XLA:TPU lowers a row scatter of bfloat16 through
+    32-bit copies of the whole buffer ([R, D] u32), and a gather's own transpose is a
+    scatter-add."""
+    return x[order]
+
+
+def _permute_rows_fwd(x, order, inverse):
+    return x[order], (order, inverse)
+
+
+def _permute_rows_bwd(res, g):
+    order, inverse = res
+    return g[inverse], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 def unsort(y_AD: jax.Array, order_A: jax.Array) -> jax.Array:

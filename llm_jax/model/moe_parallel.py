@@ -50,6 +50,8 @@ from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
     combine,
+    inverse_permutation,
+    permute_rows,
     sort_by_expert,
     stack_spec,
     swiglu,
@@ -100,21 +102,22 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
 
     # 4. Grouped matmul over the local experts; empty rows (id el) join the last group, masked.
     order_R = jnp.argsort(e_recv, stable=True)
+    inv_R = inverse_permutation(order_R)
     e_R = e_recv[order_R]
     sizes = jnp.bincount(e_R, length=el + 1).astype(jnp.int32)
     sizes = sizes[:el].at[el - 1].add(sizes[el])
     ge = jnp.minimum(e_R, el - 1)
-    h = grouped(x_recv[order_R], w1_EDF, sizes) + b1_EF[ge]
+    h = grouped(permute_rows(x_recv, order_R, inv_R), w1_EDF, sizes) + b1_EF[ge]
     y = grouped(swiglu(h, limit), w2_EFD, sizes)
     if mlp_axes:  # each device computed its slice of F: sum the partial outputs
         y = jax.lax.psum(y, mlp_axes)
     y = jnp.where((e_R < el)[:, None], y + b2_ED[ge], 0.0)
-    y_recv = jnp.zeros_like(y).at[order_R].set(y)
+    y_recv = permute_rows(y, inv_R, order_R)  # back to arrival order
 
     # 5. Back to the sources, into each assignment's slot, then the weighted combine.
     y_back = jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True) if expert_axes else y_recv
     y_sorted = jnp.where(kept[:, None], y_back[jnp.minimum(flat, n * c - 1)], 0.0)
-    y_A = jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
+    y_A = permute_rows(y_sorted, inverse_permutation(order_A), order_A)
     y_TD = combine(y_A.reshape(t, k, d), weights_Tk)
     dropped = jnp.sum(~kept).astype(jnp.float32)
     if batch_axes:

@@ -145,7 +145,8 @@ class Transformer(nnx.Module):
         """sum_t weights_t * nll_t of `logits(h)`, without materialising [B, T, V] logits
         (model/unembed_loss.py): what training and evaluation call."""
         return cross_entropy_sum(h_BTD, self.unembedding[...], targets_BT, weights_BT,
-                                 dtype=self.cfg.compute_dtype)
+                                 dtype=self.cfg.compute_dtype,
+                                 chunk_tokens=self.cfg.loss_chunk_tokens)
 
     def __call__(
         self,

@@ -2,7 +2,8 @@
 
 Shapes: B batch, T time, c time steps per chunk, n chunks (n c >= T), D hidden, V vocab.
 
-A scan walks n chunks of [B, c] tokens; each computes its logits [B, c, V] in float32, their
+A scan walks n chunks of [B, c] tokens (a mesh that splits the batch S ways gives each device
+[B / S, c]: `chunk_tokens` counts those); each computes its logits [B, c, V] in float32, their
 log-sum-exp and target logit. Under differentiation the same pass also forms the chunk's
 gradient at once, (softmax - one-hot) x weight, and multiplies it into dh and dW, so the
 backward pass only scales two stored arrays by the incoming cotangent: three unembedding-sized
@@ -17,15 +18,29 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# Tokens per chunk (B c): about 8 MB of float32 logits at V = 8,000, so a chunk stays in cache.
+from llm_jax.parallel.sharding import shard_count
+
+# Tokens per chunk and batch shard (B c / S): about 8 MB of float32 logits at V = 8,000, so a
+# chunk stays in cache (ModelConfig.loss_chunk_tokens' default).
 CHUNK_TOKENS = 256
 # Chunks per loop iteration: more runs no faster on CPU and keeps more chunks alive at once.
 MAX_UNROLL = 2
+# Up to this many chunks the loop is unrolled whole: XLA's cost analysis counts a loop body once,
+# so only an unrolled loss shows its real FLOPs and bytes in a compiled program's cost.
+FULL_UNROLL = 4
 
 
-def chunk_steps(batch: int, seq_len: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
-    """c: time steps per chunk, so that B c is about `chunk_tokens` (at least 1, at most T)."""
-    return max(1, min(seq_len, chunk_tokens // max(batch, 1)))
+def chunk_steps(batch: int, seq_len: int, chunk_tokens: int = CHUNK_TOKENS,
+                batch_shards: int = 1) -> int:
+    """c: time steps per chunk, so that each batch shard's chunk, (B / S) c, is about
+    `chunk_tokens` (at least 1, at most T)."""
+    per_shard = max(1, batch // max(batch_shards, 1))
+    return max(1, min(seq_len, chunk_tokens // per_shard))
+
+
+def loop_unroll(num_chunks: int) -> int:
+    """`unroll` of the scan over `num_chunks` chunks."""
+    return num_chunks if num_chunks <= FULL_UNROLL else MAX_UNROLL
 
 
 def _split(x_BT: jax.Array, c: int, fill: int | float = 0) -> jax.Array:
@@ -55,7 +70,7 @@ def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
 
     xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs,
-                            unroll=min(MAX_UNROLL, xs[1].shape[0]))
+                            unroll=loop_unroll(xs[1].shape[0]))
     return total
 
 
@@ -80,7 +95,7 @@ def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
     xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
     init = (jnp.zeros((), jnp.float32), jnp.zeros((v, d), jnp.float32))
     (total, dw_VD), (dh_nBcD, nll_nBc) = jax.lax.scan(body, init, xs,
-                                                     unroll=min(MAX_UNROLL, xs[1].shape[0]))
+                                                     unroll=loop_unroll(xs[1].shape[0]))
     dh_BTD = jnp.moveaxis(dh_nBcD, 0, 1).reshape(b, -1, d)[:, :t]
     nll_BT = jnp.moveaxis(nll_nBc, 0, 1).reshape(b, -1)[:, :t]
     return total, dh_BTD, dw_VD, nll_BT
@@ -128,7 +143,7 @@ def cross_entropy_sum(
         weights_BT = jnp.ones((b, t), jnp.float32)
     elif weights_BT.shape != (b, t):
         raise ValueError(f"weights shape {weights_BT.shape}: expected {(b, t)}")
-    c = chunk_steps(b, t, chunk_tokens or CHUNK_TOKENS)
+    c = chunk_steps(b, t, chunk_tokens or CHUNK_TOKENS, shard_count(b, "batch"))
     # float32 in and out of the custom VJP; `astype` casts the gradients back to each input's dtype.
     f32 = jnp.float32
     return _fused(h_BTD.astype(f32), unembedding_VD.astype(f32), targets_BT.astype(jnp.int32),

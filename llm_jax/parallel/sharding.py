@@ -34,7 +34,10 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("layers", None),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),  # weights: ZeRO-3 over fsdp; activations: taken by batch first
+    # weights: ZeRO-3 over fsdp, and over expert for the weights that `experts` does not split
+    # (embeddings, attention, norms: as MaxText's fsdp-on-expert layout); activations: taken by
+    # batch first
+    ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
@@ -190,6 +193,16 @@ def mesh_axes(mesh: Mesh | jax.sharding.AbstractMesh, names: Sequence[str | None
     spec = logical_to_spec(names, rules, mesh_axes=mesh.axis_names)
     manual = set(getattr(mesh, "manual_axes", ()))
     return tuple(a for e in spec for a in spec_axes(e) if mesh.shape[a] > 1 and a not in manual)
+
+
+def shard_count(size: int, name: str, rules=RULES) -> int:
+    """How many ways the current (abstract) mesh splits a dimension of `size` with logical
+    `name`, as `constrain` would: 1 without a mesh, or when its mesh axes do not divide `size`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    n = math.prod(mesh.shape[a] for a in mesh_axes(mesh, (name,), rules))
+    return n if size % n == 0 else 1
 
 
 def logical_axes(names: Sequence[str | None], rules=RULES) -> tuple[str, ...]:

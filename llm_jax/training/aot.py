@@ -90,8 +90,10 @@ def tpu_devices(name: str, num_slices: int = 1) -> list[Any]:
 
 def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
                        mesh: dict[str, int] | None = None, dcn: dict[str, int] | None = None,
-                       batch: int | None = None, seq_len: int | None = None) -> dict[str, Any]:
-    """Lowers and compiles the train step for `devices`; returns memory and timing facts."""
+                       batch: int | None = None, seq_len: int | None = None,
+                       hlo_out: str | None = None) -> dict[str, Any]:
+    """Lowers and compiles the train step for `devices`; returns memory and timing facts (and
+    writes the compiled HLO text to `hlo_out` when given)."""
     cfg = model_config(run_cfg)
     tc = ml_collections.ConfigDict(run_cfg.train.to_dict())
     if batch is not None:
@@ -125,7 +127,11 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
             cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes, rank=rank,
             targets=finetune.lora_targets(lora))["lora"]
         estimate["grads"] += estimate.pop("adapted_layer")  # the float32 w + AB and its grad
-    kernels = roofline.kernels_in(compiled.as_text())
+    hlo = compiled.as_text()
+    if hlo_out:
+        with open(hlo_out, "w") as f:
+            f.write(hlo)
+    kernels = roofline.kernels_in(hlo)
     step_cost = roofline.cost(compiled)
     model_flops = costs.flops_per_token(cfg, seq_len, training=True) * tc.batch_size * seq_len
     bound = roofline.roofline(kind, step_cost["flops"], step_cost["bytes"],

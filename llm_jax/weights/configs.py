@@ -24,7 +24,8 @@ ARCH_FIELDS = (
 # expert_format: "dense" dequantizes MXFP4 experts exactly; "mxfp4" over dense weights quantizes
 # them (a lossy choice the caller makes).
 OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "expert_format", "moe_dispatch",
-                      "moe_capacity_factor", "remat", "scan_layers", "attention_impl")
+                      "moe_capacity_factor", "remat", "scan_layers", "attention_impl",
+                      "loss_chunk_tokens")
 
 # What gpt-oss's released config.json says of its MXFP4 experts (transformers reads it).
 MXFP4_QUANTIZATION = {

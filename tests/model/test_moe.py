@@ -221,3 +221,18 @@ def test_swiglu_gradient_matches_closed_form_across_the_clamps(dtype, rtol):
     np.testing.assert_allclose(np.asarray(dh.astype(jnp.float32)), dh_ref, rtol=rtol,
                                atol=rtol * np.abs(dh_ref).max())
     assert (np.asarray(dh, np.float32)[h64 > limit] == 0).all()  # both halves clamped above
+
+
+def test_permute_rows_matches_indexing_in_value_and_gradient():
+    from llm_jax.model.experts import inverse_permutation, permute_rows
+
+    x = jax.random.normal(jax.random.key(0), (7, 3))
+    order = jax.random.permutation(jax.random.key(1), 7)
+    inv = inverse_permutation(order)
+    np.testing.assert_array_equal(np.asarray(inv[order]), np.arange(7))
+    w = jax.random.normal(jax.random.key(2), (7, 3))
+    f = lambda x: jnp.sum(w * permute_rows(x, order, inv) ** 2)  # noqa: E731
+    ref = lambda x: jnp.sum(w * x[order] ** 2)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(permute_rows(x, order, inv)), np.asarray(x[order]))
+    np.testing.assert_allclose(np.asarray(jax.grad(f)(x)), np.asarray(jax.grad(ref)(x)),
+                               rtol=1e-6)

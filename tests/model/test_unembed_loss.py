@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from llm_jax.config import ModelConfig
 from llm_jax.model.unembed_loss import cross_entropy_sum
 
 B, T, D, V = 3, 37, 16, 101  # T prime: the last chunk is padded
@@ -141,3 +142,31 @@ def test_train_step_holds_no_full_logits():
     hlo = steps.train.lower(steps.abstract_state, batch).compile().as_text()
     assert "f32[4,128,347]" not in hlo and "f32[512,347]" not in hlo  # [B, T, V], [B T, V]
     assert "f32[4,64,347]" in hlo  # one chunk: 256 tokens at a time
+
+
+def test_chunks_count_tokens_per_batch_shard():
+    from llm_jax.model.unembed_loss import chunk_steps, loop_unroll
+
+    assert ModelConfig().loss_chunk_tokens == 256  # the CPU default: 256 tokens per chunk
+    assert chunk_steps(4, 128) == 64  # one device: B c = 256
+    # 16 sequences over 16 devices (one per device): 256 tokens per device, not 256 / 16
+    assert chunk_steps(16, 8192, 256, batch_shards=16) == 256
+    assert chunk_steps(16, 8192, 4096, batch_shards=16) == 4096  # 2 chunks of 4096 tokens
+    assert chunk_steps(16, 8192, 1 << 20, batch_shards=16) == 8192  # at most T
+    assert loop_unroll(4) == 4 and loop_unroll(64) == 2  # few chunks: unrolled, so XLA costs all
+
+
+def test_chunk_size_under_a_mesh_is_per_device(monkeypatch):
+    """Under a mesh that splits the batch 4 ways, `chunk_tokens` counts one device's tokens."""
+    import llm_jax.model.unembed_loss as ul
+    from llm_jax.parallel.sharding import MESH_AXES
+
+    seen = []
+    real = ul._split
+    monkeypatch.setattr(ul, "_split", lambda x, c, fill=0: seen.append(c) or real(x, c, fill))
+    h, w, tg, mask = _inputs()
+    h, tg, mask = (jnp.concatenate([a] * 4)[:8] for a in (h, tg, mask))  # B = 8
+    mesh = jax.sharding.AbstractMesh((4, 1, 1, 1), MESH_AXES)
+    with jax.sharding.use_abstract_mesh(mesh):
+        jax.eval_shape(lambda *a: cross_entropy_sum(*a, chunk_tokens=16), h, w, tg, mask)
+    assert seen and set(seen) == {8}  # 2 sequences per device x 8 steps = 16 tokens

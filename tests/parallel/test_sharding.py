@@ -50,7 +50,11 @@ def test_rules_map_logical_names_once_per_mesh_axis():
         jax.sharding.PartitionSpec(("data", "fsdp", "expert"), None, None)  # fsdp taken by batch
     assert sh.logical_to_spec(("experts", "embed", "mlp")) == \
         jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
-    assert sh.logical_to_spec(("vocab", "embed")) == jax.sharding.PartitionSpec("tensor", "fsdp")
+    # weights no other name splits over `expert` take it for `embed` (ZeRO-3 over fsdp x expert)
+    assert sh.logical_to_spec(("vocab", "embed")) == \
+        jax.sharding.PartitionSpec("tensor", ("fsdp", "expert"))
+    assert sh.logical_to_spec(("embed", "heads", "head_dim")) == \
+        jax.sharding.PartitionSpec(("fsdp", "expert"), "tensor", None)
     assert sh.logical_axes(("batch",)) == ("data", "fsdp", "expert")
 
 
@@ -113,7 +117,7 @@ def test_describe_lists_every_param_sharding_from_the_same_rules():
     gate_up = rows["layers/mlp/gate_up_proj"]  # [L, E, D, 2F]
     assert gate_up["spec"] == "P(None, 'expert', 'fsdp', 'tensor')"
     assert gate_up["shard"] == [2, 8 // 4, 32 // 2, 64 // 2]
-    assert rows["embedding"]["spec"] == "P('tensor', 'fsdp')"
+    assert rows["embedding"]["spec"] == "P('tensor', ('fsdp', 'expert'))"  # ZeRO-3 over fsdp x expert
 
 
 # --------------------------------------------------------------------------- eight devices

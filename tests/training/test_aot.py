@@ -59,14 +59,16 @@ def test_train_step_compiles_for_a_tpu_topology_and_reports_memory():
     assert b["aliased"] > 0.9 * state  # the state is donated: outputs reuse its buffers
 
 
-def test_train_step_compiles_for_eight_cpu_devices():
+def test_train_step_compiles_for_eight_cpu_devices(tmp_path):
+    hlo = tmp_path / "step.hlo.txt"
     out = cli("--cpu_devices", "8", "--mesh", "data=2,tensor=2,expert=-1",
-              "--config.model.moe_dispatch=expert_parallel",
+              "--config.model.moe_dispatch=expert_parallel", f"--hlo_out={hlo}",
               xla_flags="--xla_backend_optimization_level=0")
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout[out.stdout.index("{"):])
     assert r["devices"] == 8 and r["mesh"]["expert"] == 2 and r["fits"] is None
     assert r["bytes"]["arguments"] > 0 and r["compile_seconds"] > 0
+    assert hlo.read_text().startswith("HloModule")  # --hlo_out: the compiled program's text
 
 
 def test_bad_mesh_for_the_topology_names_both_numbers():
