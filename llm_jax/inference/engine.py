@@ -36,7 +36,7 @@ from flax import nnx
 from llm_jax.inference.loop import bucket, decode_step, prefill
 from llm_jax.inference.sampling import greedy_tokens, sample_logits
 from llm_jax.model.kv_cache import LayerCache, init_cache
-from llm_jax.runtime.backend import backend
+from llm_jax.runtime.backend import MEMORY_SCHEDULER, backend
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +172,10 @@ def _decode(graphdef, treedef, weights, cache, tokens_B, positions_B, seeds_B, s
 
 
 prefill_jit = jax.jit(_prefill_into, static_argnames=("graphdef", "mode", "max_len",
-                                                      "cache_dtype"), donate_argnames=("cache",))
+                                                      "cache_dtype"), donate_argnames=("cache",),
+                      compiler_options=MEMORY_SCHEDULER)
 decode_jit = jax.jit(_decode, static_argnames=("graphdef", "treedef", "mode"),
-                     donate_argnames=("cache",))
+                     donate_argnames=("cache",), compiler_options=MEMORY_SCHEDULER)
 
 
 class Engine:

@@ -27,6 +27,7 @@ from flax import nnx
 from llm_jax.inference.loop import bucket
 from llm_jax.inference.sampling import greedy_tokens
 from llm_jax.model.unembed_loss import chunk_steps
+from llm_jax.runtime.backend import MEMORY_SCHEDULER
 
 
 class Score(NamedTuple):
@@ -61,7 +62,8 @@ def _token_scores(graphdef, state, tokens_BT, positions_BT, segments_BT, targets
     return unchunk(logp_nBc), unchunk(greedy_nBc)
 
 
-token_scores_jit = jax.jit(_token_scores, static_argnames=("graphdef",))
+token_scores_jit = jax.jit(_token_scores, static_argnames=("graphdef",),
+                           compiler_options=MEMORY_SCHEDULER)
 
 
 def _check_requests(requests: Sequence[tuple[Sequence[int], Sequence[int]]], vocab: int) -> None:

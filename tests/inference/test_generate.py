@@ -350,3 +350,29 @@ def test_package_level_sample_is_the_api_even_after_the_cli_module_is_imported()
     assert llm_jax.sample is generate
     assert llm_jax.sample(model, [1, 2, 3], max_new_tokens=4) == \
         generate(model, [1, 2, 3], max_new_tokens=4)
+
+
+def test_prefill_unpacks_one_layer_of_packed_experts_at_a_time():
+    # XLA:CPU's default (concurrency) scheduler runs every layer's weight-only work first: the
+    # prefill of an 8-layer packed model held 8.4 layers' unpacked experts at once (gpt-oss-20b:
+    # 12.9 GiB of temporaries, 74 GiB with the dense dispatch, 2.2 GiB with the memory-optimized
+    # scheduler). The inference programs compile with runtime.backend.MEMORY_SCHEDULER.
+    from flax import nnx
+
+    from llm_jax.inference.engine import prefill_jit
+
+    cfg = ModelConfig(num_hidden_layers=8, num_experts=8, experts_per_token=2, vocab_size=512,
+                      hidden_size=256, intermediate_size=256, head_dim=32, num_attention_heads=4,
+                      num_key_value_heads=2, expert_format="mxfp4", moe_dispatch="dense",
+                      dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg, 0)))
+    spec = jax.ShapeDtypeStruct
+    pool = jax.eval_shape(lambda: init_cache(cfg, 2, 32))
+    n, i32, f32 = 1, jnp.int32, jnp.float32
+    compiled = prefill_jit.lower(
+        graphdef, state, pool, spec((n, 16), i32), spec((n,), i32), spec((n,), i32),
+        spec((n,), i32), spec((n,), f32), spec((n,), i32), spec((n,), f32), mode=0, max_len=32,
+        cache_dtype="bfloat16").compile()
+    one_layer = cfg.num_experts * 3 * cfg.hidden_size * cfg.intermediate_size * 4  # float32
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 1.5 * one_layer, f"temporaries {temp / one_layer:.2f} layers of unpacked experts"
