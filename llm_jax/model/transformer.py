@@ -28,7 +28,7 @@ from llm_jax.model.kv_cache import KVCache, LayerCache
 from llm_jax.model.moe import MoE, MoEAux
 from llm_jax.model.norm import make_norm
 from llm_jax.model.params import normal, param
-from llm_jax.model.unembed_loss import cross_entropy_sum
+from llm_jax.model.unembed_loss import cross_entropy_sum, logits, rows
 from llm_jax.parallel.sharding import constrain
 
 RESIDUAL = ("batch", "length", "embed")  # logical axes of the residual stream
@@ -96,7 +96,7 @@ class Transformer(nnx.Module):
         b, t = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = constrain(self.embedding[...].astype(cfg.compute_dtype)[tokens_BT], RESIDUAL)
+        x = constrain(rows(self.embedding[...], tokens_BT).astype(cfg.compute_dtype), RESIDUAL)
         graphdef, layer_state = nnx.split(self.layers)
         if cache is None:
             windows_L = jnp.asarray(cfg.layer_windows, jnp.int32)
@@ -136,9 +136,7 @@ class Transformer(nnx.Module):
                      for i in range(self.cfg.num_hidden_layers))
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
-        cdt = self.cfg.compute_dtype
-        return jnp.einsum("BTD,VD->BTV", h_BTD.astype(cdt), self.unembedding[...].astype(cdt),
-                          preferred_element_type=jnp.float32)
+        return logits(h_BTD, self.unembedding[...], self.cfg.compute_dtype)
 
     def cross_entropy_sum(self, h_BTD: jax.Array, targets_BT: jax.Array,
                           weights_BT: jax.Array | None = None) -> jax.Array:

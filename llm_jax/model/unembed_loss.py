@@ -14,11 +14,13 @@ cross-entropy does). Evaluation runs the forward half alone.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from llm_jax.parallel.sharding import shard_count
+from llm_jax.runtime.backend import backend
 
 # Tokens per chunk and batch shard (B c / S): about 8 MB of float32 logits at V = 8,000, so a
 # chunk stays in cache (ModelConfig.loss_chunk_tokens' default).
@@ -28,6 +30,48 @@ MAX_UNROLL = 2
 # Up to this many chunks the loop is unrolled whole: XLA's cost analysis counts a loop body once,
 # so only an unrolled loss shows its real FLOPs and bytes in a compiled program's cost.
 FULL_UNROLL = 4
+
+
+# XLA:CPU has no bfloat16 matmul: it converts a bfloat16 unembedding to float32 whole before
+# the logits' product (gpt-oss-20b: 2.3 GB), and a decode loop keeps that copy for the whole
+# generation (hoisted out of the loop), beside a second, transposed one for the prefill's logits.
+# On CPU, `logits` of a narrower unembedding walk the vocabulary in chunks of this many rows,
+# each converted in its turn (~190 MB at D = 2,880). Other backends multiply bfloat16 natively.
+CPU_VOCAB_CHUNK = 16384
+
+
+def rows(table_VD: jax.Array, index: Any) -> jax.Array:
+    """table_VD[index] (a gather or a slice of rows). A 16-bit table's rows move as their bit
+    patterns: XLA:CPU has no bfloat16 data movement, so it widens the whole operand of a
+    bfloat16 gather or dynamic slice to float32 first (gpt-oss-20b's embedding: 2.3 GB, kept
+    for a whole decode loop once hoisted out of it)."""
+    if table_VD.dtype.itemsize != 2:
+        return index(table_VD) if callable(index) else table_VD[index]
+    bits = jax.lax.bitcast_convert_type(table_VD, jnp.uint16)
+    bits = index(bits) if callable(index) else bits[index]
+    return jax.lax.bitcast_convert_type(bits, table_VD.dtype)
+
+
+def logits(h_BTD: jax.Array, w_VD: jax.Array, dtype: Any) -> jax.Array:
+    """h W^T in float32 [B, T, V], the operands in `dtype`: one product, or on CPU (see
+    CPU_VOCAB_CHUNK) one per chunk of rows of W; each logit is the same dot product either way
+    (products of `dtype` values are exact in float32, summed in float32). The last chunk starts
+    at V - CPU_VOCAB_CHUNK (it overlaps its predecessor; the rows they share are written twice
+    with the same values), so W is never padded or copied."""
+    h_BTD = h_BTD.astype(dtype)
+    product = functools.partial(jnp.einsum, "BTD,VD->BTV", preferred_element_type=jnp.float32)
+    v, c = w_VD.shape[0], CPU_VOCAB_CHUNK
+    if backend() != "cpu" or w_VD.dtype == jnp.float32 or v <= c:
+        return product(h_BTD, w_VD.astype(dtype))
+
+    def chunk(k: jax.Array, out_BTV: jax.Array) -> jax.Array:
+        start = jnp.minimum(k * c, v - c)
+        w_cD = rows(w_VD, lambda w: jax.lax.dynamic_slice_in_dim(w, start, c, axis=0))
+        return jax.lax.dynamic_update_slice_in_dim(out_BTV, product(h_BTD, w_cD.astype(dtype)),
+                                                   start, axis=2)
+
+    b, t, _ = h_BTD.shape
+    return jax.lax.fori_loop(0, -(-v // c), chunk, jnp.zeros((b, t, v), jnp.float32))
 
 
 def chunk_steps(batch: int, seq_len: int, chunk_tokens: int = CHUNK_TOKENS,

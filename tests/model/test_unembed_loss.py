@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from llm_jax.config import ModelConfig
+from llm_jax.model import unembed_loss
 from llm_jax.model.unembed_loss import cross_entropy_sum
 
 B, T, D, V = 3, 37, 16, 101  # T prime: the last chunk is padded
@@ -170,3 +171,21 @@ def test_chunk_size_under_a_mesh_is_per_device(monkeypatch):
     with jax.sharding.use_abstract_mesh(mesh):
         jax.eval_shape(lambda *a: cross_entropy_sum(*a, chunk_tokens=16), h, w, tg, mask)
     assert seen and set(seen) == {8}  # 2 sequences per device x 8 steps = 16 tokens
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_logits_by_vocab_chunks_equal_one_product(monkeypatch, dtype):
+    # On CPU a 16-bit unembedding's logits walk the vocabulary in chunks (the last overlapping
+    # its predecessor); reference: NumPy float64 of the same 16-bit values. Tolerance 1e-5
+    # relative to the largest |logit| (float32 sums of D = 48 exact products).
+    monkeypatch.setattr(unembed_loss, "CPU_VOCAB_CHUNK", 64)
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(2, 3, 48)), dtype)
+    w = jnp.asarray(rng.normal(size=(203, 48)), dtype)  # 4 chunks, the last starting at 139
+    got = jax.jit(lambda h, w: unembed_loss.logits(h, w, dtype))(h, w)
+    want = np.einsum("btd,vd->btv", np.asarray(h, np.float64), np.asarray(w, np.float64))
+    assert got.dtype == jnp.float32 and got.shape == (2, 3, 203)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    # Rows of a 16-bit table move as bit patterns: the same values as plain indexing.
+    idx = jnp.asarray([[0, 202, 7]])
+    np.testing.assert_array_equal(np.asarray(unembed_loss.rows(w, idx)), np.asarray(w)[idx])
