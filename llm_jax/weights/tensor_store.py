@@ -55,10 +55,5 @@ class TensorStore:
             raise ValueError(f"tensor {name!r} in {info.file} does not read: {e}") from None
 
 
-def _save_safetensors(tensors: Mapping[str, np.ndarray], path: Path) -> None:
-    from safetensors.numpy import save_file  # handles bfloat16 through ml_dtypes
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
-
-
 def save_safetensors(tensors: Mapping[str, np.ndarray], path: Path) -> None:
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
