@@ -4,15 +4,21 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit  # noqa: E402
 import shutil  # noqa: E402
 import sysconfig  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 from absl import flags  # noqa: E402
 
-# Compiled executables are cached across tests (and by the CLI subprocesses, through the env).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.environ.get("TMPDIR", "/tmp"), f"llm_jax_test_xla_cache_{os.getuid()}"))
+# Compiled executables are cached across the tests of this run (and by the CLI subprocesses,
+# through the env) in a directory of its own, removed at exit, rather than one shared by every
+# run on the machine, which kept growing with executables of old code and of both CI legs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="llm_jax_test_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # Grain worker processes read absl flags; unparsed flags raise UnparsedFlagAccessError there.
@@ -33,3 +39,19 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     text = "naïve café — 日本語 🎉\n\tx  =  1\n" * 20
     (d / "unicode.txt").write_text(text, encoding="utf-8")
     return str(d)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's in-process caches after each test module. Every compiled XLA:CPU program
+    holds about three memory maps until it is released; a pytest-xdist worker that keeps them
+    all passed 39,000 maps a third of the way through the suite, and at the kernel's limit
+    (vm.max_map_count, 65,530 by default) the next compile or cache load crashed the worker
+    (segfault or abort inside XLA, seen three times on jax 0.12)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
