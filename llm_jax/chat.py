@@ -17,12 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from llm_jax.inference.engine import (
-    Engine,
-    EngineConfig,
-    SamplingParams,
-    Sequence as EngineSequence,
-)
+from llm_jax.inference.engine import Engine
+from llm_jax.inference.requests import EngineConfig, SamplingParams, Sequence as EngineSequence
 from llm_jax.inference.stops import StopText
 from llm_jax.inference.tokenizer import load_tokenizer
 from llm_jax.runtime.cli import ArgumentParser

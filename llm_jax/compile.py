@@ -26,9 +26,9 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from llm_jax.model.costs import format_bytes
 from llm_jax.parallel.sharding import parse_mesh
 from llm_jax.runtime.cli import fail, parse_flags
+from llm_jax.runtime.units import format_bytes
 from llm_jax.training.aot import compile_inference, compile_train_step, tpu_devices
 
 

@@ -30,8 +30,6 @@ from llm_jax.model.costs import (
     executed_forward_flops_per_token,
     flops_formula,
     flops_per_token,
-    format_bytes,
-    format_si,
     inference_memory_per_device,
     kv_cache_bytes,
     kv_cache_lengths,
@@ -48,6 +46,7 @@ from llm_jax.model.lora_costs import finetune_memory_per_device
 from llm_jax.model.select import kernels_line
 from llm_jax.parallel.sharding import MESH_AXES, parse_mesh
 from llm_jax.runtime.cli import fail, parse_flags
+from llm_jax.runtime.units import format_bytes, format_si
 from llm_jax.training.finetune import pretrained_config, resolve_model_config
 from llm_jax.training.run_config import model_config
 

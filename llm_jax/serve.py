@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from llm_jax.inference.engine import Engine, EngineConfig
+from llm_jax.inference.engine import Engine
+from llm_jax.inference.requests import EngineConfig
 from llm_jax.inference.tokenizer import load_tokenizer
 from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.runtime.malloc import use_preferred_malloc

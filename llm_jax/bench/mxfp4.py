@@ -26,11 +26,9 @@ import argparse
 import functools
 import importlib.util
 import json
-import multiprocessing
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,18 +37,19 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from llm_jax.bench.capped import GIB, process_peak_rss, reset_peak, rss_bytes, run_capped
 from llm_jax.bench.common import machine, table
 from llm_jax.bench.train import quick_model_config
 from llm_jax.config import ModelConfig
-from llm_jax.model.costs import decode_bytes_per_step, format_bytes, param_bytes
+from llm_jax.model.costs import decode_bytes_per_step, param_bytes
 from llm_jax.model.mxfp4 import random_scale
 from llm_jax.runtime.backend import MEMORY_SCHEDULER
+from llm_jax.runtime.units import format_bytes
 from llm_jax.training.run_config import model_config
 from llm_jax.weights.configs import model_config_to_hf_config
 from llm_jax.weights.layouts import HF_INDEX, hf_specs, packed_shapes
 from llm_jax.weights.tensor_store import save_safetensors
 
-GIB = 2**30
 DECODE_REPEATS = 3  # decode timings keep the fastest of this many calls
 
 
@@ -122,74 +121,6 @@ def write_checkpoint(cfg: ModelConfig, directory: Path, seed: int = 0) -> dict[s
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config_path.write_text(json.dumps(hf_cfg, indent=2))
     return {"reused": False, "bytes": total, "seconds": time.perf_counter() - t0}
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory: the kernel's own counters, and a watchdog.
-
-
-def rss_bytes() -> dict[str, int]:
-    """This process's resident set now (VmRSS) and its peak since the last `reset_peak`
-    (VmHWM), from /proc/self/status."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[{"VmRSS": "rss", "VmHWM": "peak"}[key]] = int(value.split()[0]) * 1024
-    return out
-
-
-def reset_peak() -> None:
-    """Sets VmHWM back to the current RSS (Linux: 5 > /proc/self/clear_refs), so the next
-    `rss_bytes()["peak"]` is the peak of one phase."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _watchdog(cap: int, report: Callable[[dict[str, Any]], None]) -> None:
-    """Ends this process (exit 86) when its RSS passes `cap` bytes; `report` says how far."""
-    t0 = time.perf_counter()
-
-    def watch() -> None:
-        while True:
-            rss = rss_bytes()["rss"]
-            if rss > cap:
-                report({"killed": f"RSS {rss / GIB:.2f} GiB passed the cap of {cap / GIB:.1f} "
-                                  f"GiB after {time.perf_counter() - t0:.0f} s",
-                        "peak_rss_bytes": rss})
-                os._exit(86)
-            time.sleep(0.05)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _child(fn: Callable[..., dict[str, Any]], kwargs: dict[str, Any], cap: int,
-           conn: Any) -> None:
-    phases: dict[str, Any] = {}
-    _watchdog(cap, lambda r: conn.send({**phases, **r}))
-    try:
-        conn.send(fn(phases=phases, **kwargs))
-    except Exception as e:  # noqa: BLE001 - reported to the parent as what happened
-        conn.send({**phases, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-
-
-def run_capped(fn: Callable[..., dict[str, Any]], cap_bytes: int, **kwargs: Any) -> dict[str, Any]:
-    """`fn(phases=..., **kwargs)` in a spawned child whose RSS may not pass `cap_bytes`; its
-    result, or the phases it finished plus "killed" / "error" and the exit code."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(fn, kwargs, cap_bytes, child))
-    proc.start()
-    child.close()
-    try:
-        result = parent.recv()
-    except EOFError:
-        result = {"error": "the child died without a report"}
-    proc.join()
-    result["exit_code"] = proc.exitcode
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,14 +230,8 @@ def measure(*, phases: dict[str, Any], directory: str, prompt_len: int, new_toke
         _phase(phases, f"decode_b{b}", decode)
     phases["memory_bandwidth_bytes_per_s"] = memory_bandwidth()
     _phase(phases, "qlora", functools.partial(_qlora_step, model, lora_seq, lora_rank, seed))
-    phases["process_peak_rss_bytes"] = _ru_maxrss()
+    phases["process_peak_rss_bytes"] = process_peak_rss()
     return phases
-
-
-def _ru_maxrss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _qlora_step(model: Any, seq_len: int, rank: int, seed: int) -> dict[str, Any]:

@@ -13,12 +13,8 @@ from collections.abc import Callable, Sequence
 
 from flax import nnx
 
-from llm_jax.inference.engine import (
-    Engine,
-    EngineConfig,
-    SamplingParams,
-    Sequence as EngineSequence,
-)
+from llm_jax.inference.engine import Engine
+from llm_jax.inference.requests import EngineConfig, SamplingParams, Sequence as EngineSequence
 from llm_jax.inference.stops import StopText
 
 

@@ -16,17 +16,15 @@ not depend on the other rows, and sampled ones draw from the same per-step keys
 
 Compiles: the decode step once per sampling mode (greedy / sampled / sampled with top-k or
 top-p filtering, the mode of the running set), the prefill per prompt bucket for n = 1 and
-n = max_prefill.
+n = max_prefill. The requests themselves (settings, queue errors, a sequence's state): requests.py.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +32,13 @@ import numpy as np
 from flax import nnx
 
 from llm_jax.inference.loop import bucket, decode_step, prefill
+from llm_jax.inference.requests import (
+    EngineClosed,
+    EngineConfig,
+    QueueFull,
+    SamplingParams,
+    Sequence,
+)
 from llm_jax.inference.sampling import greedy_tokens, sample_logits
 from llm_jax.model.kv_cache import LayerCache, init_cache
 from llm_jax.runtime.backend import MEMORY_SCHEDULER, backend
@@ -43,92 +48,6 @@ log = logging.getLogger(__name__)
 # Above this many bytes of layer weights the decode step slices the stacked weights itself
 # instead of holding a second, per-layer copy (see loop.SLICE_LAYERS_MAX_BYTES).
 SLICE_LAYERS_MAX_BYTES = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Sizes of the slot pool and the queue in front of it."""
-
-    slots: int = 16  # B: sequences decoded together
-    max_len: int = 1024  # S: positions per slot (prompt + new tokens)
-    max_queue: int = 64  # waiting sequences before `submit` refuses
-    max_prefill: int = 8  # prompts prefilled in one call
-    cache_dtype: str | None = None  # default: the compute dtype
-
-    def __post_init__(self):
-        for name in ("slots", "max_len", "max_queue", "max_prefill"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: expected an integer >= 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one sequence continues: temperature 0 = greedy; top_k 0 and top_p 1 = off."""
-
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: frozenset[int] = frozenset()  # tokens that end it (not part of its output)
-
-    def check(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} is invalid: expected an "
-                             f"integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < 1e6:
-            raise ValueError(f"temperature={self.temperature!r} is invalid: expected a finite "
-                             f"number >= 0 (0 = greedy)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} is invalid: expected an integer >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} is invalid: expected a number in (0, 1]")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
-                or not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed={self.seed!r} is invalid: expected an integer in [0, 2^31)")
-
-    @property
-    def mode(self) -> int:
-        """0 greedy, 1 sampled, 2 sampled with top-k / top-p filtering."""
-        if self.temperature == 0:
-            return 0
-        return 2 if self.top_k > 0 or self.top_p < 1 else 1
-
-
-class QueueFull(Exception):
-    """The waiting queue holds `max_queue` sequences: try again later (HTTP 429)."""
-
-
-class EngineClosed(Exception):
-    """The engine is shutting down (HTTP 503)."""
-
-
-# (sequence, new token or None when it has finished) -> True to stop it now (a stop string).
-Listener = Callable[["Sequence", "int | None"], bool]
-
-
-class Sequence:
-    """One request inside the engine: its prompt, settings, tokens so far and how it ended.
-    `finish_reason`: "stop" (a stop token or the listener), "length", "cancelled", "timeout" or
-    "error"; None while it runs."""
-
-    def __init__(self, prompt: list[int], params: SamplingParams, listener: Listener | None = None,
-                 timeout: float | None = None):
-        self.prompt, self.params, self.listener = list(prompt), params, listener
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.slot: int | None = None
-        self.cancelled = False
-        self.done = threading.Event()
-        self.submitted = time.monotonic()
-        self.first_token_at: float | None = None
-
-    def cancel(self) -> None:
-        """Stops it at the next step (any thread); its slot returns to the pool."""
-        self.cancelled = True
 
 
 def _keys(seeds_B: jax.Array, steps_B: jax.Array) -> jax.Array:

@@ -22,6 +22,7 @@ from llm_jax.model.moe_dispatch import capacity
 from llm_jax.model.mxfp4 import BITS_PER_VALUE
 from llm_jax.model.transformer import abstract_model
 from llm_jax.parallel.sharding import logical_to_spec, spec_axes
+from llm_jax.runtime.units import format_si
 
 # ---------------------------------------------------------------------------------------------
 # Parameters.
@@ -387,19 +388,3 @@ def param_shardings(cfg: ModelConfig, mesh: dict[str, int]) -> list[dict[str, An
                      "shape": list(v.shape), "logical": list(names), "spec": str(spec),
                      "shard": shard})
     return rows
-
-
-def format_si(x: float, unit: str = "") -> str:
-    """1.234 G, 12.5 MFLOP ...: a count with an SI prefix."""
-    for div, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.3f} {p}{unit}".rstrip()
-    return f"{x:g} {unit}".rstrip()
-
-
-def format_bytes(x: float) -> str:
-    """1.50 GiB ...: a byte count in binary units."""
-    for div, p in ((2 ** 40, "TiB"), (2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
-        if x >= div:
-            return f"{x / div:.2f} {p}"
-    return f"{x:.0f} B"

@@ -32,7 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from llm_jax.inference.engine import Engine, EngineClosed, QueueFull, SamplingParams, Sequence
+from llm_jax.inference.engine import Engine
+from llm_jax.inference.requests import EngineClosed, QueueFull, SamplingParams, Sequence
 from llm_jax.inference.stops import StopText
 from llm_jax.inference.tokenizer import CheckpointTokenizer
 from llm_jax.serving import protocol

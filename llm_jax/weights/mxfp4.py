@@ -10,6 +10,7 @@ stored as 16 bytes (two 4-bit codes each) and one scale byte.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -107,14 +108,48 @@ def quantize_experts(model: nnx.Module) -> tuple[nnx.Module, dict[str, float]]:
             blocks = params[key] = np.empty(t.shape, np.uint8)
             scales = params[stack + "_scales"] = np.empty(targets[stack + "_scales"].shape,
                                                           np.uint8)
-            err = ref = 0.0
-            for n, e in np.ndindex(*w_LEIO.shape[:2]):  # one expert at a time: bounded temporaries
-                w_OI = np.swapaxes(w_LEIO[n, e].astype(np.float32), -1, -2)
-                blocks[n, e], scales[n, e] = quantize_mxfp4(w_OI)
-                err += float(np.sum((dequantize_mxfp4(blocks[n, e], scales[n, e]) - w_OI) ** 2))
-                ref += float(np.sum(w_OI ** 2))
-            errors[stack.removeprefix("layers.")] = math.sqrt(err / ref) if ref else 0.0
+            error = QuantizationError()
+            for n in range(w_LEIO.shape[0]):
+                error.add(*quantize_experts_into(w_LEIO[n], blocks[n], scales[n]))
+            errors[stack.removeprefix("layers.")] = error.relative_rms
     return model_from_params(packed_cfg, params, abstract), errors
+
+
+def log_quantization(errors: dict[str, float], what: str) -> None:
+    """One warning naming `what` and each quantized stack's relative RMS error (none if empty)."""
+    if errors:
+        logging.getLogger(__name__).warning(
+            "%s: dense experts quantized to MXFP4 (lossy); relative RMS error %s", what,
+            ", ".join(f"{k} {v:.4f}" for k, v in errors.items()))
+
+
+class QuantizationError:
+    """||q(w) - w|| / ||w|| accumulated over the parts of one tensor (or a stack of them)."""
+
+    def __init__(self) -> None:
+        self.err_sq = self.ref_sq = 0.0
+
+    def add(self, err_sq: float, ref_sq: float) -> None:
+        self.err_sq += err_sq
+        self.ref_sq += ref_sq
+
+    @property
+    def relative_rms(self) -> float:
+        return math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq else 0.0
+
+
+def quantize_experts_into(w_EIO: np.ndarray, blocks: np.ndarray, scales: np.ndarray
+                          ) -> tuple[float, float]:
+    """Quantizes one layer's dense experts (E, in, out) into packed `blocks` (E, out, in / 32,
+    16) and `scales` (E, out, in / 32), one expert at a time (bounded temporaries); returns
+    (sum of squared quantization errors, sum of squared weights)."""
+    err = ref = 0.0
+    for e in range(w_EIO.shape[0]):
+        w_OI = np.swapaxes(np.asarray(w_EIO[e], np.float32), -1, -2)
+        blocks[e], scales[e] = quantize_mxfp4(w_OI)
+        err += float(np.sum((dequantize_mxfp4(blocks[e], scales[e]) - w_OI) ** 2))
+        ref += float(np.sum(w_OI ** 2))
+    return err, ref
 
 
 def dequantize_experts(model: nnx.Module) -> nnx.Module:

@@ -10,9 +10,9 @@ config attached (`model.cfg`):
   with `block.N.*` names, fused qkv, MoE weights (E, out, in), plain or MXFP4
   (`*.blocks` / `*.scales`).
   A directory holding only an `original/` subdirectory is read from there.
-Layouts and names: layouts.py and docs/model.md, "Checkpoints"; writing: writers.py. Only
-safetensors are read; pickles are refused. Weights are filled into an abstract model
-(`nnx.eval_shape`), so nothing is randomly initialised.
+Layouts and names: layouts.py and docs/model.md, "Checkpoints"; checking and reading a layout's
+tensors: layout_reader.py; writing: writers.py. Only safetensors are read; pickles are refused.
+Weights are filled into an abstract model (`nnx.eval_shape`), so nothing is randomly initialised.
 
 Hostile files (docs/reliability.md): every safetensors header is validated field by field before
 any tensor is read (llm_jax.weights.safetensors_header), config.json fields are checked for type and
@@ -26,7 +26,6 @@ Shapes: L layers, V vocab, D hidden, N q heads, K kv heads, H head_dim, E expert
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,175 +39,32 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.weights.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.weights.configs import (
-    ARCH_FIELDS,
     HF_NAMES,
     OVERRIDABLE_FIELDS,
     hf_config_to_model_config,
     model_config_from_fields,
     openai_config_to_model_config,
 )
-from llm_jax.weights.flat import abstract_targets, aligned_empty, model_from_params
+from llm_jax.weights.flat import abstract_targets, model_from_params
 from llm_jax.weights.json_fields import Fields, read_json_object
+from llm_jax.weights.layout_reader import (
+    check_layout,
+    check_tensor,
+    read_layout,
+    with_stored_expert_format,
+)
 from llm_jax.weights.layouts import (
     HF_INDEX,
     HF_WEIGHTS,
     LLM_JAX_CONFIG,
     LLM_JAX_PARAMS,
-    Layout,
-    TensorSpec,
     hf_specs,
     openai_specs,
-    packed_shapes,
 )
-from llm_jax.weights.mxfp4 import (
-    dequantize_experts,
-    dequantize_mxfp4,
-    quantize_experts,
-    quantize_mxfp4,
-)
-from llm_jax.weights.safetensors_header import FLOAT_DTYPES
+from llm_jax.weights.mxfp4 import dequantize_experts, log_quantization, quantize_experts
 from llm_jax.weights.tensor_store import TensorStore
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-def _fields_of(shape: tuple[int, ...], expected: tuple[int, ...], cfg: ModelConfig,
-               names: Mapping[str, str]) -> str:
-    """Which config fields the mismatching dims of `expected` come from, for the error."""
-    out = []
-    for axis, (got, want) in enumerate(itertools.zip_longest(shape, expected)):
-        if got != want and want is not None:
-            fields = [names.get(k, k) for k in ARCH_FIELDS if getattr(cfg, k) == want]
-            out.append(f"axis {axis} = {' or '.join(fields) or 'a product of fields'} = {want}")
-    return f" ({'; '.join(out)})" if out else ""
-
-
-def _check_tensor(store: TensorStore, name: str, shape: tuple[int, ...], packed: bool,
-                  source: Path, cfg: ModelConfig, names: Mapping[str, str]) -> None:
-    """The header of tensor `name` against the shape `source` implies; dtype float, or uint8
-    for MXFP4 blocks and scales (`packed`)."""
-    info = store.info(name)
-    if info.shape != shape:
-        raise ValueError(f"tensor {name!r} in {info.file} has shape {info.shape}, expected "
-                         f"{shape} from {source}{_fields_of(info.shape, shape, cfg, names)}: is "
-                         "the config that of these weights?")
-    if (info.dtype == np.uint8) if packed else (info.dtype in FLOAT_DTYPES):
-        return
-    raise ValueError(f"tensor {name!r} in {info.file} has dtype {info.dtype}, expected "
-                     f"{'uint8 (MXFP4)' if packed else 'a floating-point dtype'}")
-
-
-def _check_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
-                 source: Path, names: Mapping[str, str]) -> None:
-    """Every tensor the config at `source` implies, by name, shape and dtype, against the
-    headers, and none left over: before anything sized by the config is built or allocated.
-    Layer by layer, so a layer count beyond the weights fails at the first missing layer."""
-    top, layer = specs
-    used: set[str] = set()
-
-    def check(spec: TensorSpec, name: str, n: int | None) -> None:
-        packed = [name + x for x in spec.mxfp4 or () if name + x in store]
-        if name in store and packed:
-            raise ValueError(f"checkpoint has both {name!r} (in {store.info(name).file}) and "
-                             f"{packed[0]!r} (in {store.info(packed[0]).file}): a weight comes "
-                             "plain or as MXFP4 blocks and scales, not both")
-        if name in store:
-            _check_tensor(store, name, spec.src_shape, False, source, cfg, names)
-            used.add(name)
-        elif packed:
-            for suffix, shape in zip(spec.mxfp4, packed_shapes(spec)):
-                if name + suffix not in store:
-                    raise ValueError(f"checkpoint has {packed[0]!r} (in "
-                                     f"{store.info(packed[0]).file}) but not {name + suffix!r}: "
-                                     "MXFP4 comes as blocks and scales")
-                _check_tensor(store, name + suffix, shape, True, source, cfg, names)
-                used.add(name + suffix)
-        else:
-            layers = f" (layer {n} of num_hidden_layers={cfg.num_hidden_layers})" if n else ""
-            where = ", ".join(str(f) for f in store.files)
-            raise ValueError(f"checkpoint is missing tensor {name!r}, which {source} implies"
-                             f"{layers} (looked in {where})")
-
-    for spec in top:
-        check(spec, spec.src, None)
-    for n in range(cfg.num_hidden_layers):
-        for spec in layer:
-            check(spec, spec.src.format(n=n), n)
-    unused = sorted(set(store.names()) - used)
-    if unused:
-        raise ValueError(f"checkpoint has {len(unused)} tensor(s) that {source} does not "
-                         f"imply, e.g. {unused[:5]} (in {store.info(unused[0]).file}; is the "
-                         "config that of these weights?)")
-
-
-def _read_spec(store: TensorStore, spec: TensorSpec, name: str, out: np.ndarray) -> None:
-    """Fills `out` (our layout, target dtype) from checkpoint tensor `name` (checked by
-    `_check_specs`), dequantizing MXFP4 one expert at a time to bound the float32 temporary."""
-    if name in store:
-        out[...] = spec.to_ours(store.get(name)).astype(out.dtype)
-        return
-    blocks, scales = (store.get(name + s) for s in spec.mxfp4)
-    for i in range(out.shape[0]):  # packed (E, out, in) -> ours (E, in, out)
-        out[i] = dequantize_mxfp4(blocks[i], scales[i]).T.astype(out.dtype)
-
-
-def _read_packed(store: TensorStore, spec: TensorSpec, name: str, blocks: np.ndarray,
-                 scales: np.ndarray) -> None:
-    """Fills a packed expert stack (E, out, in / 32, 16) + (E, out, in / 32): the checkpoint's
-    MXFP4 bytes as they are, or (a model asked for with expert_format='mxfp4' from dense
-    weights: lossy, by choice) its dense tensor quantized one expert at a time."""
-    if name + spec.mxfp4[0] in store:
-        blocks[...] = store.get(name + spec.mxfp4[0])
-        scales[...] = store.get(name + spec.mxfp4[1])
-        return
-    dense = spec.to_ours(store.get(name))  # ours: (E, in, out)
-    for i in range(dense.shape[0]):
-        blocks[i], scales[i] = quantize_mxfp4(np.swapaxes(dense[i], -1, -2))
-
-
-def _read_specs(store: TensorStore, specs: Layout, cfg: ModelConfig,
-                targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
-    """The params in our layout from tensors that `_check_specs` has passed; packed expert
-    stacks (targets `<key>_blocks` / `<key>_scales`) as their bytes, never dense."""
-    top, layer = specs
-    params: dict[str, np.ndarray] = {}
-    for spec in top:
-        t = targets[spec.key]
-        params[spec.key] = aligned_empty(t.shape, t.dtype)
-        _read_spec(store, spec, spec.src, params[spec.key])
-    for spec in layer:
-        key = f"layers.{spec.key}"
-        if key + "_blocks" in targets:
-            tb, ts = targets[key + "_blocks"], targets[key + "_scales"]
-            blocks = params[key + "_blocks"] = aligned_empty(tb.shape, tb.dtype)
-            scales = params[key + "_scales"] = aligned_empty(ts.shape, ts.dtype)
-            for n in range(cfg.num_hidden_layers):
-                _read_packed(store, spec, spec.src.format(n=n), blocks[n], scales[n])
-            continue
-        t = targets[key]
-        out = params[key] = aligned_empty(t.shape, t.dtype)
-        for n in range(cfg.num_hidden_layers):
-            _read_spec(store, spec, spec.src.format(n=n), out[n])
-    return params
-
-
-def _with_stored_expert_format(cfg: ModelConfig, store: TensorStore, specs: Layout,
-                               source: Path) -> ModelConfig:
-    """`cfg` with expert_format 'mxfp4' when every expert stack of every layer is MXFP4-packed
-    (then the model keeps them packed unless asked for expert_format='dense'), else 'dense' (a
-    checkpoint packed in some layers only is dequantized, exactly, rather than quantizing the
-    rest)."""
-    stacks = [s for s in specs[1] if s.mxfp4 is not None]
-    # A generator: a hostile layer count stops at the first layer the files do not have.
-    if not stacks or not all(s.src.format(n=n) + s.mxfp4[0] in store for s in stacks
-                             for n in range(cfg.num_hidden_layers)):
-        return cfg.replace(expert_format="dense")
-    try:
-        return cfg.replace(expert_format="mxfp4")
-    except ValueError as e:  # a size MXFP4 cannot hold: name the file and a packed tensor
-        first = stacks[0].src.format(n=0) + stacks[0].mxfp4[0]
-        raise ValueError(f"{source}: {e}; but {first!r} in {store.info(first).file} "
-                         "is MXFP4") from None
 
 
 def _is_llm_jax(root: Path) -> bool:
@@ -335,7 +191,7 @@ def _llm_jax_params(root: Path, cfg: ModelConfig,
         raise ValueError(f"{root / LLM_JAX_PARAMS} is missing tensor(s) {missing[:5]}, which "
                          f"{root / LLM_JAX_CONFIG} implies")
     for k, t in targets.items():  # every shape before the first read; MXFP4 bytes are uint8
-        _check_tensor(store, k, tuple(t.shape), t.dtype == np.uint8, root / LLM_JAX_CONFIG,
+        check_tensor(store, k, tuple(t.shape), t.dtype == np.uint8, root / LLM_JAX_CONFIG,
                       cfg, {})
     return {k: np.asarray(store.get(k)).astype(t.dtype) for k, t in targets.items()}
 
@@ -350,13 +206,13 @@ def _openai_config(root: Path) -> ModelConfig:
                 np.dtype(np.float16): "float16"}.get(dt)
         if name:
             cfg = cfg.replace(dtype=name, param_dtype=name)
-    return _with_stored_expert_format(cfg, store, openai_specs(cfg), path)
+    return with_stored_expert_format(cfg, store, openai_specs(cfg), path)
 
 
 def _hf_config(root: Path) -> ModelConfig:
     path = root / "config.json"
     cfg = hf_config_to_model_config(read_json_object(path), str(path))
-    return _with_stored_expert_format(cfg, _hf_store(root), hf_specs(cfg), path)
+    return with_stored_expert_format(cfg, _hf_store(root), hf_specs(cfg), path)
 
 
 def _orbax_config(root: Path) -> ModelConfig:
@@ -386,14 +242,14 @@ FORMATS: dict[str, Format] = {
                     any_expert_format=False),
     "llm_jax": Format(_llm_jax_config, _llm_jax_check, _llm_jax_params, any_expert_format=False),
     "hf": Format(_hf_config,
-        lambda root, cfg: _check_specs(_hf_store(root), hf_specs(cfg), cfg,
+        lambda root, cfg: check_layout(_hf_store(root), hf_specs(cfg), cfg,
                                        root / "config.json", HF_NAMES),
-        lambda root, cfg, t: _read_specs(_hf_store(root), hf_specs(cfg), cfg, t)),
+        lambda root, cfg, t: read_layout(_hf_store(root), hf_specs(cfg), cfg, t)),
     "openai": Format(
         _openai_config,
-        lambda root, cfg: _check_specs(_openai_store(root), openai_specs(cfg), cfg,
+        lambda root, cfg: check_layout(_openai_store(root), openai_specs(cfg), cfg,
                                        root / "config.json", {}),
-        lambda root, cfg, t: _read_specs(_openai_store(root), openai_specs(cfg), cfg, t)),
+        lambda root, cfg, t: read_layout(_openai_store(root), openai_specs(cfg), cfg, t)),
 }
 
 
@@ -427,4 +283,6 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, **overrides: 
     model = model_from_params(built, reader.params(root, built, abstract[1]), abstract)
     if cfg.expert_format == "dense":  # both no-ops unless the format had to be converted
         return dequantize_experts(model)
-    return quantize_experts(model)[0]
+    model, errors = quantize_experts(model)
+    log_quantization(errors, f"loading {root}")
+    return model

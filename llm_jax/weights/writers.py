@@ -9,7 +9,6 @@ model loaded packed never needs."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -78,10 +77,7 @@ def save_hf(model: nnx.Module, directory: str | Path, *, max_shard_bytes: int = 
 def _quantized(model: nnx.Module, path: Path) -> nnx.Module:
     """`model` with MXFP4 experts (lossy if they were dense: the error is logged)."""
     model, errors = mxfp4.quantize_experts(model)
-    if errors:
-        logging.getLogger(__name__).warning(
-            "%s: dense experts written as MXFP4; relative RMS error %s", path,
-            ", ".join(f"{k} {v:.4f}" for k, v in errors.items()))
+    mxfp4.log_quantization(errors, f"writing {path}")
     return model
 
 

@@ -14,15 +14,8 @@ from helpers import make_checkpoint
 from llm_jax.config import ModelConfig
 from llm_jax.inference import engine as engine_module
 from llm_jax.inference.completions import GenerationRequest, generate_until
-from llm_jax.inference.engine import (
-    Engine,
-    EngineConfig,
-    QueueFull,
-    SamplingParams,
-    Sequence,
-    decode_jit,
-    prefill_jit,
-)
+from llm_jax.inference.engine import Engine, decode_jit, prefill_jit
+from llm_jax.inference.requests import EngineConfig, QueueFull, SamplingParams, Sequence
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.stops import StopText
 from llm_jax.inference.tokenizer import load_tokenizer

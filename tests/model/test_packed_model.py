@@ -72,3 +72,29 @@ def test_packed_decode_equals_dequantized_decode(checkpoint):
     assert ids_p == ids_d
     for a, b in zip(logits_p, logits_d):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "llm_jax"])
+def test_dense_weights_loaded_packed_report_the_quantization_error(tmp_path, caplog, fmt):
+    """Asking for packed experts from dense weights quantizes them (lossy, by choice): the load
+    says so, with each stack's relative RMS error ||q(w) - w|| / ||w||, checked here against the
+    dequantized bytes it kept (HF: quantized while reading; llm_jax: after building)."""
+    from llm_jax.weights.mxfp4 import dequantize_mxfp4
+    from llm_jax.weights.writers import save_llm_jax
+
+    cfg = SHAPES["k2"].replace(expert_format="dense")
+    model = init_model(cfg, seed=3)
+    (save_hf if fmt == "hf" else save_llm_jax)(model, tmp_path)
+    dense = flat_params(model)
+    with caplog.at_level("WARNING"):
+        packed = load_pretrained(tmp_path, expert_format="mxfp4")
+    assert packed.cfg.expert_format == "mxfp4"
+    flat = flat_params(packed)
+    for stack in ("gate_up_proj", "down_proj"):
+        w_LEIO = dense[f"layers.mlp.{stack}"].astype(np.float64)
+        q_LEOI = dequantize_mxfp4(flat[f"layers.mlp.{stack}_blocks"],
+                                  flat[f"layers.mlp.{stack}_scales"], np.float64)
+        err = np.linalg.norm(np.swapaxes(q_LEOI, -1, -2) - w_LEIO) / np.linalg.norm(w_LEIO)
+        assert 1e-3 < err < 0.2  # 4-bit values: a real, bounded error
+        assert f"mlp.{stack} {err:.4f}" in caplog.text, caplog.text
+    assert "quantized to MXFP4 (lossy)" in caplog.text

@@ -10,7 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from llm_jax.config import ModelConfig
-from llm_jax.inference.engine import Engine, EngineConfig
+from llm_jax.inference.engine import Engine
+from llm_jax.inference.requests import EngineConfig
 from llm_jax.model import init_model
 from llm_jax.serving.app import Server, create_app
 
