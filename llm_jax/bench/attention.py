@@ -47,6 +47,7 @@ from llm_jax.model.blockwise_attention import (
     blockwise_attend,
     use_blockwise,
 )
+from llm_jax.model.costs import flops_per_token
 from llm_jax.model.transformer import Transformer
 
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)
@@ -171,7 +172,11 @@ def model(cfg: ModelConfig, t: int, impls: dict[str, Callable], repeats: int
         for name, impl in {**impls, **free}.items():
             with _model_attention(impl):
                 fns[name, w], temps[name, w] = _compiled(jax.jit(jax.grad(loss)), params)
-    return _by_window(fns, temps, repeats)
+    rows = _by_window(fns, temps, repeats)
+    for row in rows:  # model FLOPs (fwd + bwd, masked blocks skipped): the ratio's arithmetic
+        mcfg = dataclasses.replace(cfg, num_hidden_layers=2, sliding_window=row["window"])
+        row["model_flops"] = flops_per_token(mcfg, t) * t
+    return rows
 
 
 def run(*, repeats: int = 3, quick: bool = False, seq_lens: tuple[int, ...] | None = None,
@@ -235,6 +240,14 @@ def format_result(r: dict[str, Any]) -> str:
         ratio = ", ".join(f"{n} window/none {windowed[n]['time_s'] / full[n]['time_s']:.2f}x"
                           for n in names)
         out.append(f"{what}, T {r['seq_len']}, batch 1: {ratio}\n" + table(headers, rows))
+        if "model_flops" in full:  # what the ratio would be with every part at one FLOP rate
+            rates = "; ".join(
+                f"{row['window'] or 'none'}: " + ", ".join(
+                    f"{n} {row['model_flops'] / row[n]['time_s'] / 1e9:.0f}" for n in names)
+                for row in r[part])
+            out.append(f"model FLOPs window/none {windowed['model_flops'] / full['model_flops']:.3f}"
+                       f" ({windowed['model_flops'] / 1e9:.1f} / {full['model_flops'] / 1e9:.1f} "
+                       f"GFLOP); achieved GFLOP/s {rates}")
         if "attention_free" in full:
             rest = full["attention_free"]["time_s"]
             spent = ", ".join(f"{n}'s two attentions {(windowed[n]['time_s'] - rest) * 1e3:.1f} ms "
