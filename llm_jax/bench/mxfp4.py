@@ -43,7 +43,7 @@ from llm_jax.bench.train import quick_model_config
 from llm_jax.config import ModelConfig
 from llm_jax.model.costs import decode_bytes_per_step, param_bytes
 from llm_jax.model.mxfp4 import random_scale
-from llm_jax.runtime.backend import MEMORY_SCHEDULER
+from llm_jax.runtime.backend import InferenceJit
 from llm_jax.runtime.units import format_bytes
 from llm_jax.training.run_config import model_config
 from llm_jax.weights.configs import model_config_to_hf_config
@@ -184,9 +184,8 @@ def measure(*, phases: dict[str, Any], directory: str, prompt_len: int, new_toke
     def run_prefill(b: int, p: int, cache_len: int) -> Callable[[], Any]:
         tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (b, p)).astype(np.int32))
         lengths = jnp.full((b,), p, jnp.int32)
-        fn = jax.jit(lambda s, t, n: prefill(nnx.merge(graphdef, s), t, n,
-                                             init_cache(cfg, b, cache_len))[0],
-                     compiler_options=MEMORY_SCHEDULER)
+        fn = InferenceJit(lambda s, t, n: prefill(nnx.merge(graphdef, s), t, n,
+                                                  init_cache(cfg, b, cache_len))[0])
         return lambda: jax.block_until_ready(fn(state, tokens, lengths))
 
     def best_of(fn: Callable[[], Any], repeats: int = DECODE_REPEATS) -> dict[str, float]:

@@ -41,7 +41,7 @@ from llm_jax.inference.requests import (
 )
 from llm_jax.inference.sampling import greedy_tokens, sample_logits
 from llm_jax.model.kv_cache import LayerCache, init_cache
-from llm_jax.runtime.backend import MEMORY_SCHEDULER, backend
+from llm_jax.runtime.backend import InferenceJit, backend
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +90,11 @@ def _decode(graphdef, treedef, weights, cache, tokens_B, positions_B, seeds_B, s
     return _pick(logits_BV, seeds_B, steps_B, temps_B, top_k_B, top_p_B, mode), cache
 
 
-prefill_jit = jax.jit(_prefill_into, static_argnames=("graphdef", "mode", "max_len",
-                                                      "cache_dtype"), donate_argnames=("cache",),
-                      compiler_options=MEMORY_SCHEDULER)
-decode_jit = jax.jit(_decode, static_argnames=("graphdef", "treedef", "mode"),
-                     donate_argnames=("cache",), compiler_options=MEMORY_SCHEDULER)
+prefill_jit = InferenceJit(_prefill_into, static_argnames=("graphdef", "mode", "max_len",
+                                                           "cache_dtype"),
+                           donate_argnames=("cache",))
+decode_jit = InferenceJit(_decode, static_argnames=("graphdef", "treedef", "mode"),
+                          donate_argnames=("cache",))
 
 
 class Engine:

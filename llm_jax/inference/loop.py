@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from llm_jax.inference.sampling import sample_logits
 from llm_jax.model.kv_cache import KVCache, init_cache, shard_cache
 from llm_jax.parallel.sharding import with_mesh
-from llm_jax.runtime.backend import MEMORY_SCHEDULER, backend
+from llm_jax.runtime.backend import InferenceJit, backend
 
 MIN_BUCKET = 16
 
@@ -147,5 +147,4 @@ def _generate(graphdef, state, prompts_BP, lengths_B, max_new, key, temperature,
 
 # Compiled once per (model structure, plan); a streaming call compiles its own, since the
 # callback it streams to is part of the program.
-generate_jit = jax.jit(generate_program, static_argnames=("graphdef", "plan", "emit"),
-                       compiler_options=MEMORY_SCHEDULER)
+generate_jit = InferenceJit(generate_program, static_argnames=("graphdef", "plan", "emit"))

@@ -27,7 +27,7 @@ from flax import nnx
 from llm_jax.inference.loop import bucket
 from llm_jax.inference.sampling import greedy_tokens
 from llm_jax.model.unembed_loss import chunk_steps
-from llm_jax.runtime.backend import MEMORY_SCHEDULER
+from llm_jax.runtime.backend import InferenceJit
 
 
 class Score(NamedTuple):
@@ -62,8 +62,7 @@ def _token_scores(graphdef, state, tokens_BT, positions_BT, segments_BT, targets
     return unchunk(logp_nBc), unchunk(greedy_nBc)
 
 
-token_scores_jit = jax.jit(_token_scores, static_argnames=("graphdef",),
-                           compiler_options=MEMORY_SCHEDULER)
+token_scores_jit = InferenceJit(_token_scores, static_argnames=("graphdef",))
 
 
 def _check_requests(requests: Sequence[tuple[Sequence[int], Sequence[int]]], vocab: int) -> None:

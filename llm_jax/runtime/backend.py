@@ -7,18 +7,33 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 
-# XLA:CPU's default scheduler orders a program for concurrency and ignores memory: with weights
-# that only depend on parameters (a layer's slice, packed experts unpacked) it runs every
-# layer's weight work first and keeps all of it live. gpt-oss-20b's prefill of 16 tokens with
-# packed experts held 12.9 GiB of temporaries that way (74 GiB with the dense dispatch), 2.2
-# GiB with the memory-optimized scheduler; the tiny config decodes as fast with it (batch 1
-# and 8, docs/benchmarks.md), while its train step was 3-5 % slower, so the inference programs
-# use it. The option is XLA's own (DebugOptions); GPU and TPU compiles accept and ignore it.
-MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+# Compiler options of the inference programs (generation, the engine's prefill and decode,
+# scoring) on XLA:CPU, where gpt-oss-20b's packed weights fill most of a 24 GiB machine:
+# - The memory-optimized scheduler. The default one orders a program for concurrency and
+#   ignores memory: with weights that only depend on parameters (a layer's slice, packed experts
+#   unpacked) it ran every layer's weight work first and kept all of it live: 12.9 GiB of
+#   temporaries in a 16-token prefill of 20b (74 GiB with the dense dispatch), 2.2 GiB with it.
+# - No while-loop invariant code motion. Loop-invariant work hoisted out of a loop lives for
+#   the whole loop: the 16-bit copies of the embedding and unembedding that XLA:CPU makes to
+#   gather or slice them (it has no bfloat16 data movement), and the float32 copies of every
+#   layer's attention weights (it has no bfloat16 matmul) stayed resident through the decode
+#   loop, and the vocabulary-chunked logits kept a copy of the whole table instead of reading
+#   one chunk at a time (gpt-oss-20b: 20.7 GiB peak decoding, 14.9 GiB without the pass; its
+#   decode as fast; the logits of one token 191 -> 42 ms and 1.3 GiB -> 11 MiB of temporaries;
+#   docs/benchmarks.md, issue 29).
+# The tiny config decodes as fast with both; its train step was 3-5 % slower with the scheduler,
+# so training keeps XLA's defaults. Other platforms keep their defaults: bfloat16 is native
+# there, and hoisting is what a TPU or GPU decode loop wants.
+CPU_INFERENCE_OPTIONS = {
+    "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+    "xla_disable_hlo_passes": "while-loop-invariant-code-motion",
+}
+INFERENCE_OPTIONS: dict[str, dict[str, str]] = {"cpu": CPU_INFERENCE_OPTIONS}
 
 # The platform being traced for, set only inside `compiling_for` (ahead-of-time compilation for
 # other hardware); a context variable, so concurrent threads tracing for different targets
@@ -41,3 +56,26 @@ def compiling_for(platform: str) -> Iterator[None]:
         yield
     finally:
         _TARGET.reset(token)
+
+
+class InferenceJit:
+    """`jax.jit(fn, **jit_kwargs)` compiled with the INFERENCE_OPTIONS of the platform being
+    traced for (`backend()`, so an ahead-of-time compile for TPU gets TPU's): one jitted
+    function per platform, made on first use. Called, or `.lower(...)`, like a jitted one."""
+
+    def __init__(self, fn: Callable[..., Any], **jit_kwargs: Any):
+        self.fn, self.jit_kwargs = fn, jit_kwargs
+        self.jitted: dict[str, Any] = {}
+
+    def for_platform(self) -> Any:
+        platform = backend()
+        if platform not in self.jitted:
+            self.jitted[platform] = jax.jit(
+                self.fn, compiler_options=INFERENCE_OPTIONS.get(platform), **self.jit_kwargs)
+        return self.jitted[platform]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.for_platform()(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        return self.for_platform().lower(*args, **kwargs)

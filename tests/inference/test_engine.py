@@ -175,13 +175,13 @@ def test_warmup_compiles_every_prompt_bucket_and_changes_no_result(model):
     engine = Engine(model, ENGINE)
     assert engine.prompt_buckets() == [16, 32, 64]
     engine.warmup()
-    sizes = prefill_jit._cache_size(), decode_jit._cache_size()
+    sizes = prefill_jit.for_platform()._cache_size(), decode_jit.for_platform()._cache_size()
     prompts = [list(range(1, 1 + n)) for n in (3, 20, 40, 5)]
     seqs = [engine.submit(Sequence(p, SamplingParams(max_new_tokens=6))) for p in prompts]
     engine.run_until_idle()
     one = engine.submit(Sequence(prompts[1], SamplingParams(max_new_tokens=6)))
     engine.run_until_idle()
-    assert (prefill_jit._cache_size(), decode_jit._cache_size()) == sizes
+    assert (prefill_jit.for_platform()._cache_size(), decode_jit.for_platform()._cache_size()) == sizes
     for p, s in zip(prompts, seqs):
         assert s.tokens == sample(model, p, max_new_tokens=6)
     assert one.tokens == seqs[1].tokens

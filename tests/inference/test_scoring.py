@@ -128,6 +128,6 @@ def test_bad_requests_raise_value_error_naming_them(model, reqs, match):
 
 def test_new_requests_in_the_same_length_bucket_reuse_the_compiled_program(model):
     loglikelihood(model, [([1, 2, 3], [4]), ([5] * 9, [6, 7])], batch_size=4)
-    size = token_scores_jit._cache_size()
+    size = token_scores_jit.for_platform()._cache_size()
     loglikelihood(model, [([8] * 12, [9, 10]), ([11], [12])], batch_size=4)
-    assert token_scores_jit._cache_size() == size
+    assert token_scores_jit.for_platform()._cache_size() == size
