@@ -61,16 +61,13 @@ def unpack(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
     if dtype not in (jnp.float32, jnp.bfloat16):
         return unpack(blocks, scales, jnp.float32).astype(dtype)
     uint, width, mant = (jnp.uint32, 32, 23) if dtype == jnp.float32 else (jnp.uint16, 16, 7)
-    # In the output's width, unsigned: a bfloat16 model's unpacking runs in 16-bit lanes, twice
-    # as many per vector instruction as 32-bit ones (the unpacking alone 12 % faster here).
-    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).astype(uint)  # low first
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).astype(jnp.int32)  # low first
     mag = codes & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    # The exponent field plus one, >= 0: 2^(mag // 2 - 1) for mag >= 2, else 2^-1; times 2^(s - 127).
-    field1 = jnp.where(mag >= 2, mag >> 1, 0) + scales.astype(uint)[..., None, None]
-    bits = jnp.where(field1 >= 256, uint(255 << mant),
-                     (field1 - 1) << mant | jnp.where(mag >= 2, mag & 1, 0) << (mant - 1))
-    bits = jnp.where((mag == 0) | (field1 <= 1), uint(0), bits) | (codes >> 3) << (width - 1)
-    values = jax.lax.bitcast_convert_type(bits, dtype)
+    exponent = jnp.where(mag >= 2, (mag >> 1) - 1, -1) + scales.astype(jnp.int32)[..., None, None]
+    bits = jnp.where(exponent >= 255, 255 << mant,
+                     (exponent << mant) | jnp.where(mag >= 2, mag & 1, 0) << (mant - 1))
+    bits = jnp.where((mag == 0) | (exponent <= 0), 0, bits) | (codes >> 3) << (width - 1)
+    values = jax.lax.bitcast_convert_type(bits.astype(uint), dtype)
     return values.reshape(*blocks.shape[:-2], -1)
 
 
