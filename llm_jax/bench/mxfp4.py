@@ -14,8 +14,10 @@ tokens/s at each batch (`sample` of --new_tokens minus `sample` of one, best of 
 (adapters of `--lora_rank` on attention and experts over the frozen packed base: loss, grads of
 the adapters, AdamW; seconds and peak RSS). Peak RSS is the kernel's VmHWM, reset before each
 phase; a watchdog thread ends the child past `--rss_cap_gib` (what it reached is reported).
+Each phase is printed to stderr as it ends; `--lora_seq 0` skips the QLoRA step.
 The decode bound: bytes one step reads (costs.decode_bytes_per_step) over the machine's
-memory bandwidth (a jitted sum over 1 GiB). `--hf` loads the same directory with transformers'
+memory bandwidth (a jitted sum over 1 GiB, in a child of its own so that its buffer adds to no
+phase's RSS). `--hf` loads the same directory with transformers'
 GptOssForCausalLM in another capped child and reports what happened. Not in CI; `--quick`
 runs a tiny shape in a temporary directory.
 """

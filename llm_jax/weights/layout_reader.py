@@ -150,7 +150,7 @@ def read_layout(store: TensorStore, specs: Layout, cfg: ModelConfig,
         out = params[key] = aligned_empty(t.shape, t.dtype)
         for n in range(cfg.num_hidden_layers):
             read_tensor(store, spec, spec.src.format(n=n), out[n])
-    log_quantization(errors, f"reading {', '.join(str(f) for f in store.files)}")
+    log_quantization(errors, f"reading {store.files[0].parent}")
     return params
 
 
