@@ -47,13 +47,13 @@ class ExpertWeights(NamedTuple):
 
 def stack_spec(w: ExpertStack, spec: tuple) -> Any:
     """The shard_map spec of an expert stack whose dense [E, I, O] form has `spec` = (e, i, o):
-    for a packed one, a `PackedExperts` of specs for its blocks (e, o, i, -), scales (e, o, i)
+    for a packed one, a `PackedExperts` of specs for its blocks (e, i, -, o), scales (e, i, o)
     and adapter (e, i, -), (e, -, o)."""
     e, i, o = spec
     if not isinstance(w, PackedExperts):
         return P(e, i, o)
     lora = w.lora_a is not None
-    return dataclasses.replace(w, blocks=P(e, o, i, None), scales=P(e, o, i),
+    return dataclasses.replace(w, blocks=P(e, i, None, o), scales=P(e, i, o),
                                lora_a=P(e, i, None) if lora else None,
                                lora_b=P(e, None, o) if lora else None)
 

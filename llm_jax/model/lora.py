@@ -78,11 +78,11 @@ def adapted(module: nnx.Module, name: str, dtype: jnp.dtype) -> ExpertStack:
 
 def base_weight_info(module: nnx.Module, name: str) -> tuple[tuple[int, ...], tuple]:
     """(shape, logical axes) of the dense weight `name` (leading layers axis included), also
-    for a packed stack, whose blocks are (..., out, in / 32, 16)."""
+    for a packed stack, whose blocks are (..., in / 32, 16, out)."""
     if hasattr(module, f"{name}_blocks"):
         blocks = getattr(module, f"{name}_blocks")
-        *lead, o, g, _ = blocks.shape
-        *lead_axes, o_axis, in_axis, _ = blocks.get_metadata()["out_sharding"]
+        *lead, g, _, o = blocks.shape
+        *lead_axes, in_axis, _, o_axis = blocks.get_metadata()["out_sharding"]
         return (*lead, g * MXFP4_BLOCK, o), (*lead_axes, in_axis, o_axis)
     w = getattr(module, name)
     return tuple(w.shape), w.get_metadata()["out_sharding"]

@@ -58,7 +58,8 @@ class MoE(nnx.Module):
 
     With `cfg.expert_format == "mxfp4"` the two expert stacks are held packed, as gpt-oss
     ships them (model/mxfp4.py): `gate_up_proj_blocks` / `_scales` and `down_proj_blocks` /
-    `_scales` in the checkpoint layout (E, out, in / 32, 16), frozen (`PackedParam`), and
+    `_scales` as `PackedExperts` holds them ([E, in / 32, 16, out] bytes, [E, in / 32, out]
+    scales), frozen (`PackedParam`), and
     unpacked by each dispatch inside the layer."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -70,8 +71,8 @@ class MoE(nnx.Module):
         self.router_bias = param(rngs, zeros, (e,), ("experts",), jnp.float32)
         if cfg.expert_format == "mxfp4":
             for name, (d_in, d_out), axes, std in (
-                    ("gate_up_proj", (d, 2 * f), ("mlp", "embed"), cfg.initializer_range),
-                    ("down_proj", (f, d), ("embed", "mlp"), out_std)):
+                    ("gate_up_proj", (d, 2 * f), ("embed", "mlp"), cfg.initializer_range),
+                    ("down_proj", (f, d), ("mlp", "embed"), out_std)):
                 blocks, scales = packed_shapes(e, d_in, d_out)
                 b, s = packed_param(rngs, blocks, scales, ("experts", *axes), std)
                 setattr(self, f"{name}_blocks", b)

@@ -7,8 +7,8 @@ low nibble first. An E2M1 value times a power of two is exact in bfloat16 and fl
 packed model computes exactly the function of the same model dequantized (docs/model.md,
 "MXFP4").
 
-`PackedExperts` holds one expert stack in the checkpoint's own layout (the bytes stay those that
-were read: an export writes them back unchanged) and behaves like the dense [E, in, out] stack it
+`PackedExperts` holds one expert stack as the checkpoint's codes and scales, reordered so that the
+output axis is the minor one (an export writes back the bytes that were read) and behaves like the dense [E, in, out] stack it
 stands for where the MoE dispatches need it: `w[e]` picks experts (still packed) and
 `dense(w, dtype)` unpacks what is left, so each dispatch unpacks only what it multiplies (the
 chosen experts, one block's expert, or one device's experts). A LoRA adapter over a packed,
@@ -46,36 +46,52 @@ def random_scale(std: float) -> int:
 
 
 def unpack(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> values [..., G * 32] in `dtype`.
+    """blocks uint8 [..., G, 16, O], scales uint8 [..., G, O] -> values [..., G * 32, O] in
+    `dtype`, in the model's layout (`PackedExperts`): byte row j of block g holds value 32 g + j
+    of each column in its low nibble and value 32 g + 16 + j in its high nibble. So the values
+    come out a row at a time, the low nibbles of a block's 16 rows and then the high ones, and
+    O is the minor axis from the bytes to the values: XLA fuses the whole unpacking into one
+    loop that writes the [I, O] matrix the matmul reads (on TPU every reshape here merges whole
+    tiles of 8 or 16 rows). The checkpoint's order, 16 bytes a block along the minor axis and
+    two neighbouring values a byte, made XLA:TPU materialise the steps of the interleave, and
+    the swap of I and O after it.
 
-    Integer work only: each value's bits are written directly. An E2M1 magnitude is 2^e times
-    1 or 1.5 (e in -1..2), so times the block's 2^(s - 127) it is the float with exponent field
-    e + s and mantissa 0 or .1 in binary, exactly, in float32 and bfloat16 alike (both have the
-    8-bit, bias-127 exponent). No float arithmetic, no table lookup (a gather that XLA
-    materialises as int32 indices), no float32 copy for a bfloat16 model: XLA fuses it into one
-    elementwise loop from the bytes to the values. Exponent fields past 254 give inf, as
-    numpy's ldexp does; those below 1 give 0 where the value would be subnormal (scale bytes 0
-    and 1 only; XLA flushes subnormals to zero in any computation). float16 (5 exponent bits)
-    goes through float32."""
+    Integer work only: each value's bits are written directly (`_values`)."""
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.float32, jnp.bfloat16):
         return unpack(blocks, scales, jnp.float32).astype(dtype)
+    codes = jnp.concatenate([blocks & 0x0F, blocks >> 4], axis=-2)  # [..., G, 32, O]
+    values = _values(codes, scales[..., None, :], dtype)
+    return values.reshape(*blocks.shape[:-3], -1, blocks.shape[-1])
+
+
+def _values(codes: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
+    """E2M1 codes (uint8, 0..15) times 2^(scale - 127) in `dtype` (float32 or bfloat16).
+
+    An E2M1 magnitude is 2^e times 1 or 1.5 (e in -1..2), so times the block's 2^(s - 127) it
+    is the float with exponent field e + s and mantissa 0 or .1 in binary, exactly, in float32
+    and bfloat16 alike (both have the 8-bit, bias-127 exponent): no float arithmetic, no table
+    lookup (a gather that XLA materialises as int32 indices), no float32 copy for a bfloat16
+    model. Exponent fields past 254 give inf, as numpy's ldexp does; those below 1 give 0
+    where the value would be subnormal (scale bytes 0 and 1 only; XLA flushes subnormals to
+    zero in any computation). float16 (5 exponent bits) goes through float32."""
     uint, width, mant = (jnp.uint32, 32, 23) if dtype == jnp.float32 else (jnp.uint16, 16, 7)
-    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).astype(jnp.int32)  # low first
+    codes = codes.astype(jnp.int32)
     mag = codes & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    exponent = jnp.where(mag >= 2, (mag >> 1) - 1, -1) + scales.astype(jnp.int32)[..., None, None]
+    exponent = jnp.where(mag >= 2, (mag >> 1) - 1, -1) + scales.astype(jnp.int32)
     bits = jnp.where(exponent >= 255, 255 << mant,
                      (exponent << mant) | jnp.where(mag >= 2, mag & 1, 0) << (mant - 1))
     bits = jnp.where((mag == 0) | (exponent <= 0), 0, bits) | (codes >> 3) << (width - 1)
-    values = jax.lax.bitcast_convert_type(bits.astype(uint), dtype)
-    return values.reshape(*blocks.shape[:-2], -1)
+    return jax.lax.bitcast_convert_type(bits.astype(uint), dtype)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedExperts:
-    """A dense expert stack w [E, I, O] held as MXFP4 along I, in the checkpoint layout:
-    `blocks` uint8 [E, O, G, 16], `scales` uint8 [E, O, G]; with a LoRA adapter (`lora_a`
+    """A dense expert stack w [E, I, O] held as MXFP4 along I: `blocks` uint8 [E, G, 16, O] (see
+    `unpack` for which value each nibble holds), `scales` uint8 [E, G, O]; the checkpoint's
+    [E, O, G, 16] and [E, O, G] hold the same codes and scales in another order
+    (`weights.mxfp4.to_model_layout`, `to_checkpoint_layout`). With a LoRA adapter (`lora_a`
     [E, I, r], `lora_b` [E, r, O], `lora_scale`) the stack it stands for is w + scale A B.
 
     Leading expert axes index like an array's: `w[e_A]` (gather) or `w[2]` keep it packed."""
@@ -90,7 +106,7 @@ class PackedExperts:
     @property
     def shape(self) -> tuple[int, ...]:
         """The dense stack's shape [..., I, O]."""
-        *lead, o, g, _ = self.blocks.shape
+        *lead, g, _, o = self.blocks.shape
         return (*lead, g * MXFP4_BLOCK, o)
 
     @property
@@ -109,8 +125,8 @@ class PackedExperts:
     def unpacked(self) -> jax.Array:
         """The dense stack [..., I, O] in `self.dtype`, adapter included (added in float32)."""
         if self.lora_a is None:
-            return jnp.swapaxes(unpack(self.blocks, self.scales, self.dtype), -1, -2)
-        w = jnp.swapaxes(unpack(self.blocks, self.scales, jnp.float32), -1, -2)
+            return unpack(self.blocks, self.scales, self.dtype)
+        w = unpack(self.blocks, self.scales, jnp.float32)
         w = w + self.lora_scale * jnp.einsum("...ir,...ro->...io", self.lora_a.astype(jnp.float32),
                                              self.lora_b.astype(jnp.float32))
         return w.astype(self.dtype)
@@ -126,6 +142,7 @@ def dense(w: ExpertStack) -> jax.Array:
 
 
 def packed_shapes(experts: int, d_in: int, d_out: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(blocks, scales) shapes of an [E, d_in, d_out] stack quantized along d_in."""
+    """(blocks, scales) shapes of an [E, d_in, d_out] stack quantized along d_in, as the model
+    holds them (`PackedExperts`)."""
     g = d_in // MXFP4_BLOCK
-    return (experts, d_out, g, MXFP4_BLOCK // 2), (experts, d_out, g)
+    return (experts, g, MXFP4_BLOCK // 2, d_out), (experts, g, d_out)

@@ -42,13 +42,15 @@ TRAINABLE = nnx.All(nnx.Param, nnx.Not(PackedParam))
 
 def packed_param(rngs: nnx.Rngs, blocks_shape: tuple[int, ...], scales_shape: tuple[int, ...],
                  axes: tuple[str | None, ...], std: float) -> tuple[PackedParam, PackedParam]:
-    """Random MXFP4 (blocks, scales) for an expert stack quantized along its input: `axes` names
-    (experts, out, in) of the dense stack; the blocks' last axis (16 bytes) is unnamed. Codes are
+    """Random MXFP4 (blocks, scales) for an expert stack quantized along its input, laid out as
+    `model.mxfp4.PackedExperts` holds them: `axes` names (experts, in, out) of the dense stack,
+    which the blocks [E, in / 32, 16, out] and scales [E, in / 32, out] share (the blocks' 16
+    byte rows are unnamed). Codes are
     uniform over the 16 E2M1 values (rms 2.93), the scale the power of two nearest std / 2.93."""
     scale = random_scale(std)
     blocks = jax.random.randint(rngs.params(), blocks_shape, 0, 256, jnp.int32).astype(jnp.uint8)
     scales = jnp.full(scales_shape, scale, jnp.uint8)
-    return (PackedParam(blocks, out_sharding=(*axes, None), eager_sharding=False),
+    return (PackedParam(blocks, out_sharding=(*axes[:-1], None, axes[-1]), eager_sharding=False),
             PackedParam(scales, out_sharding=axes, eager_sharding=False))
 
 

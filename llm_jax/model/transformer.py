@@ -30,6 +30,7 @@ from llm_jax.model.norm import make_norm
 from llm_jax.model.params import normal, param
 from llm_jax.model.unembed_loss import cross_entropy_sum, logits, rows
 from llm_jax.parallel.sharding import constrain
+from llm_jax.runtime.backend import backend
 
 RESIDUAL = ("batch", "length", "embed")  # logical axes of the residual stream
 
@@ -115,10 +116,10 @@ class Transformer(nnx.Module):
                 raise ValueError(f"cache has {len(cache)} layers: expected num_hidden_layers="
                                  f"{cfg.num_hidden_layers} (build it with init_cache)")
             auxes, new_cache = [], []
-            if layers is None:
-                layers = self.layer_states()
             for i, layer_cache in enumerate(cache):
-                block = nnx.merge(graphdef, layers[i])
+                state = (layers[i] if layers is not None else
+                         self.layer_state(i, after=None if backend() == "cpu" else x))
+                block = nnx.merge(graphdef, state)
                 x, aux, layer_cache = block(x, positions_BT, cfg.layer_window(i), segment_ids_BT,
                                             layer_cache, train=train)
                 x = constrain(x, RESIDUAL)
@@ -131,9 +132,20 @@ class Transformer(nnx.Module):
 
     def layer_states(self) -> tuple[nnx.State, ...]:
         """Each layer's slice of the stacked layer weights, one state per layer."""
+        return tuple(self.layer_state(i) for i in range(self.cfg.num_hidden_layers))
+
+    def layer_state(self, i: int, *, after: jax.Array | None = None) -> nnx.State:
+        """Layer i's slice of the stacked layer weights. `after`: the layer's input, to which an
+        optimization barrier ties the index (XLA cannot see that it is still i), so the slice is
+        taken where the layer runs. Taken with a constant index inside a decode loop, the slices
+        are loop-invariant, and XLA:TPU hoisted them out of the loop as copies: every layer's
+        weights a second time, live for the whole loop (docs/scaling.md). XLA:CPU's inference
+        programs compile without that hoisting (`runtime.backend.CPU_INFERENCE_OPTIONS`)."""
         _, layer_state = nnx.split(self.layers)
-        return tuple(jax.tree.map(lambda a, i=i: a[i], layer_state)
-                     for i in range(self.cfg.num_hidden_layers))
+        if after is not None:
+            i, _ = jax.lax.optimization_barrier((jnp.asarray(i, jnp.int32), after))
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                            layer_state)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         return logits(h_BTD, self.unembedding[...], self.cfg.compute_dtype)

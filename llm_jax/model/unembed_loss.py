@@ -47,8 +47,9 @@ def rows(table_VD: jax.Array, index: Any) -> jax.Array:
     """table_VD[index] (a gather or a slice of rows). A 16-bit table's rows move as their bit
     patterns: XLA:CPU has no bfloat16 data movement, so it widens the whole operand of a
     bfloat16 gather or dynamic slice to float32 first (gpt-oss-20b's embedding: 2.3 GB, kept
-    for a whole decode loop once hoisted out of it)."""
-    if table_VD.dtype.itemsize != 2:
+    for a whole decode loop once hoisted out of it). Elsewhere the rows move as they are: on TPU
+    the 16-bit view of the table is a copy of it."""
+    if table_VD.dtype.itemsize != 2 or backend() != "cpu":
         return index(table_VD) if callable(index) else table_VD[index]
     bits = jax.lax.bitcast_convert_type(table_VD, jnp.uint16)
     bits = index(bits) if callable(index) else bits[index]

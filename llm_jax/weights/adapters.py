@@ -31,7 +31,7 @@ from llm_jax.model.lora import TARGETS, LoRAParam, add_lora, lora_delta
 from llm_jax.weights.configs import OVERRIDABLE_FIELDS
 from llm_jax.weights.flat import abstract_targets, flat_params, model_from_params
 from llm_jax.weights.json_fields import read_json_object
-from llm_jax.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from llm_jax.weights.mxfp4 import QuantizationError, dequantize_stack, quantize_experts_into
 
 ADAPTERS_WEIGHTS = "adapters.safetensors"
 ADAPTERS_CONFIG = "adapters.json"
@@ -63,8 +63,8 @@ def _layer_weight(base: Mapping[str, np.ndarray], lora: Mapping[str, np.ndarray]
     """Layer n of the weight `key` ("layers.mlp.down_proj") in float32: a packed stack unpacked
     (exact), its adapter added."""
     if key + "_blocks" in base:
-        blocks, scales = base[key + "_blocks"][n], base[key + "_scales"][n]  # [E, O, G, 16]
-        w = np.stack([dequantize_mxfp4(b, s).T for b, s in zip(blocks, scales)])  # [E, I, O]
+        blocks, scales = base[key + "_blocks"][n], base[key + "_scales"][n]  # [E, G, 16, O]
+        w = np.stack([dequantize_stack(b, s) for b, s in zip(blocks, scales)])  # [E, I, O]
     else:
         w = base[key][n].astype(np.float32)
     if key + "_lora_a" in lora:
@@ -125,18 +125,13 @@ def merge_lora_mxfp4(model: nnx.Module, *, dtype: str | None = None
             continue  # packed, not adapted: the checkpoint's bytes as they are
         blocks = np.empty(targets[key + "_blocks"].shape, np.uint8)
         scales = np.empty(targets[key + "_scales"].shape, np.uint8)
-        err = ref = 0.0
+        error = QuantizationError()
         for n in range(cfg.num_hidden_layers):
             w = _layer_weight(base, lora, key, n, scale)  # [E, I, O]
-            for e in range(w.shape[0]):
-                w_OI = w[e].T
-                blocks[n, e], scales[n, e] = quantize_mxfp4(w_OI)
-                q_OI = dequantize_mxfp4(blocks[n, e], scales[n, e])
-                err += float(np.sum((q_OI - w_OI) ** 2))
-                ref += float(np.sum(w_OI ** 2))
+            error.add(*quantize_experts_into(w, blocks[n], scales[n]))
         base.pop(key, None)
         base[key + "_blocks"], base[key + "_scales"] = blocks, scales
-        errors[key.rsplit(".", 1)[1]] = (err / ref) ** 0.5 if ref else 0.0
+        errors[key.rsplit(".", 1)[1]] = error.relative_rms
     return model_from_params(cfg, base, abstract), errors
 
 

@@ -25,6 +25,7 @@ from llm_jax.weights.mxfp4 import (
     dequantize_mxfp4,
     log_quantization,
     quantize_experts_into,
+    to_model_layout,
 )
 from llm_jax.weights.safetensors_header import FLOAT_DTYPES
 from llm_jax.weights.tensor_store import TensorStore
@@ -112,13 +113,16 @@ def read_tensor(store: TensorStore, spec: TensorSpec, name: str, out: np.ndarray
 
 def read_packed(store: TensorStore, spec: TensorSpec, name: str, blocks: np.ndarray,
                 scales: np.ndarray) -> tuple[float, float]:
-    """Fills a packed expert stack (E, out, in / 32, 16) + (E, out, in / 32): the checkpoint's
-    MXFP4 bytes as they are, or (a model asked for with expert_format='mxfp4' from dense
-    weights: lossy, by choice) its dense tensor quantized one expert at a time. Returns the
-    quantization's (squared error, squared weights): zero for bytes read as they are."""
+    """Fills a packed expert stack (E, in / 32, 16, out) + (E, in / 32, out), the model's layout:
+    the checkpoint's MXFP4 codes and scales reordered one expert at a time (`to_model_layout`:
+    exact, and an export writes the same bytes back), or (a model asked for with
+    expert_format='mxfp4' from dense weights: lossy, by choice) its dense tensor quantized one
+    expert at a time. Returns the quantization's (squared error, squared weights): zero for
+    MXFP4 read as it is."""
     if name + spec.mxfp4[0] in store:
-        blocks[...] = store.get(name + spec.mxfp4[0])
-        scales[...] = store.get(name + spec.mxfp4[1])
+        stored_blocks, stored_scales = (store.get(name + s) for s in spec.mxfp4)
+        for e in range(blocks.shape[0]):
+            blocks[e], scales[e] = to_model_layout(stored_blocks[e], stored_scales[e])
         return 0.0, 0.0
     return quantize_experts_into(spec.to_ours(store.get(name)), blocks, scales)  # ours: (E, in, out)
 

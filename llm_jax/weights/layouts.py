@@ -15,10 +15,13 @@ import numpy as np
 
 from llm_jax.config import ModelConfig
 from llm_jax.model.mxfp4 import MXFP4_BLOCK
+from llm_jax.weights.mxfp4 import to_checkpoint_layout
 
 # File names of the formats.
 LLM_JAX_CONFIG = "config.json"
 LLM_JAX_PARAMS = "params.safetensors"
+# 2: packed expert stacks in the model's layout; 1 held them as the HF checkpoint orders them.
+LLM_JAX_VERSION = 2
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
@@ -146,7 +149,7 @@ def packed_shapes(spec: TensorSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def write_specs(flat: Mapping[str, np.ndarray], specs: Layout,
                 cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Checkpoint tensors from flat params. Packed expert stacks (`<key>_blocks` / `_scales`)
-    are written as their bytes (bitwise what was read), dense ones as they are."""
+    are written as the checkpoint's bytes (bitwise what was read), dense ones as they are."""
     top, layer = specs
     out = {s.src: s.to_checkpoint(flat[s.key]) for s in top}
     for s in layer:
@@ -154,8 +157,20 @@ def write_specs(flat: Mapping[str, np.ndarray], specs: Layout,
         for n in range(cfg.num_hidden_layers):
             name = s.src.format(n=n)
             if s.mxfp4 is not None and key + "_blocks" in flat:
-                out[name + s.mxfp4[0]] = flat[key + "_blocks"][n]
-                out[name + s.mxfp4[1]] = flat[key + "_scales"][n]
+                out[name + s.mxfp4[0]], out[name + s.mxfp4[1]] = stored_layout(
+                    flat[key + "_blocks"][n], flat[key + "_scales"][n])
             else:
                 out[name] = s.to_checkpoint(flat[key][n])
     return out
+
+
+def stored_layout(blocks_EG16O: np.ndarray, scales_EGO: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's packed stack from the model's layout back to the checkpoint's, (E, out, in /
+    32, 16) and (E, out, in / 32), one expert at a time (bounded temporaries)."""
+    e, g, _, o = blocks_EG16O.shape
+    blocks = np.empty((e, o, g, MXFP4_BLOCK // 2), np.uint8)
+    scales = np.empty((e, o, g), np.uint8)
+    for i in range(e):
+        blocks[i], scales[i] = to_checkpoint_layout(blocks_EG16O[i], scales_EGO[i])
+    return blocks, scales

@@ -53,6 +53,34 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: Any = np.flo
     return out_R32.reshape(*lead, g * 2 * b)
 
 
+def to_model_layout(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A checkpoint's MXFP4 stack, blocks (..., O, G, 16) and scales (..., O, G), in the model's
+    layout (`model.mxfp4.PackedExperts`): blocks (..., G, 16, O), byte row j of block g holding
+    value 32 g + j in its low nibble and 32 g + 16 + j in its high one, and scales (..., G, O).
+    The same codes and scales, reordered: `to_checkpoint_layout` gives back the bytes."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)
+    half = MXFP4_BLOCK // 2
+    rows = codes[..., :half] | (codes[..., half:] << 4)  # (..., O, G, 16)
+    return (np.ascontiguousarray(np.moveaxis(rows, -3, -1)),
+            np.ascontiguousarray(np.moveaxis(scales, -2, -1)))
+
+
+def to_checkpoint_layout(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `to_model_layout`: (..., G, 16, O), (..., G, O) -> the checkpoint's
+    (..., O, G, 16), (..., O, G), bitwise the bytes that were read."""
+    rows = np.moveaxis(blocks, -1, -3)  # (..., O, G, 16)
+    codes = np.concatenate([rows & 0x0F, rows >> 4], axis=-1)  # values 0..31 of each block
+    return (np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)),
+            np.ascontiguousarray(np.moveaxis(scales, -1, -2)))
+
+
+def dequantize_stack(blocks: np.ndarray, scales: np.ndarray, dtype: Any = np.float32
+                     ) -> np.ndarray:
+    """A packed stack in the model's layout, (..., G, 16, O) and (..., G, O), dense
+    (..., G * 32, O): exact."""
+    return np.swapaxes(dequantize_mxfp4(*to_checkpoint_layout(blocks, scales), dtype), -1, -2)
+
+
 # Codes 0-7 are the non-negative E2M1 magnitudes in increasing order.
 _MAGNITUDES = FP4_VALUES[:8]
 
@@ -140,14 +168,15 @@ class QuantizationError:
 
 def quantize_experts_into(w_EIO: np.ndarray, blocks: np.ndarray, scales: np.ndarray
                           ) -> tuple[float, float]:
-    """Quantizes one layer's dense experts (E, in, out) into packed `blocks` (E, out, in / 32,
-    16) and `scales` (E, out, in / 32), one expert at a time (bounded temporaries); returns
-    (sum of squared quantization errors, sum of squared weights)."""
+    """Quantizes one layer's dense experts (E, in, out) into packed `blocks` (E, in / 32, 16,
+    out) and `scales` (E, in / 32, out) (the model's layout), one expert at a time (bounded
+    temporaries); returns (sum of squared quantization errors, sum of squared weights)."""
     err = ref = 0.0
     for e in range(w_EIO.shape[0]):
         w_OI = np.swapaxes(np.asarray(w_EIO[e], np.float32), -1, -2)
-        blocks[e], scales[e] = quantize_mxfp4(w_OI)
-        err += float(np.sum((dequantize_mxfp4(blocks[e], scales[e]) - w_OI) ** 2))
+        b, s = quantize_mxfp4(w_OI)
+        blocks[e], scales[e] = to_model_layout(b, s)
+        err += float(np.sum((dequantize_mxfp4(b, s) - w_OI) ** 2))
         ref += float(np.sum(w_OI ** 2))
     return err, ref
 
@@ -166,8 +195,8 @@ def dequantize_experts(model: nnx.Module) -> nnx.Module:
         if key in flat:
             params[key] = flat[key]
             continue
-        blocks, scales = flat[key + "_blocks"], flat[key + "_scales"]  # [L, E, O, G, 16]
+        blocks, scales = flat[key + "_blocks"], flat[key + "_scales"]  # [L, E, G, 16, O]
         w = params[key] = np.empty(t.shape, t.dtype)  # [L, E, I, O]
         for n, e in np.ndindex(*blocks.shape[:2]):
-            w[n, e] = dequantize_mxfp4(blocks[n, e], scales[n, e]).T.astype(t.dtype)
+            w[n, e] = dequantize_stack(blocks[n, e], scales[n, e], t.dtype)
     return model_from_params(dense_cfg, params, abstract)

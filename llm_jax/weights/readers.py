@@ -26,6 +26,7 @@ Shapes: L layers, V vocab, D hidden, N q heads, K kv heads, H head_dim, E expert
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from llm_jax.weights.configs import (
     model_config_from_fields,
     openai_config_to_model_config,
 )
-from llm_jax.weights.flat import abstract_targets, model_from_params
+from llm_jax.weights.flat import abstract_targets, aligned_empty, model_from_params
 from llm_jax.weights.json_fields import Fields, read_json_object
 from llm_jax.weights.layout_reader import (
     check_layout,
@@ -61,7 +62,12 @@ from llm_jax.weights.layouts import (
     hf_specs,
     openai_specs,
 )
-from llm_jax.weights.mxfp4 import dequantize_experts, log_quantization, quantize_experts
+from llm_jax.weights.mxfp4 import (
+    dequantize_experts,
+    log_quantization,
+    quantize_experts,
+    to_model_layout,
+)
 from llm_jax.weights.tensor_store import TensorStore
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -190,10 +196,35 @@ def _llm_jax_params(root: Path, cfg: ModelConfig,
     if missing:
         raise ValueError(f"{root / LLM_JAX_PARAMS} is missing tensor(s) {missing[:5]}, which "
                          f"{root / LLM_JAX_CONFIG} implies")
+    meta = json.loads((root / LLM_JAX_CONFIG).read_text())
+    v1 = meta.get("version", 1) < 2  # packed stacks as the HF checkpoint orders them
+    shapes = {k: _v1_packed_shape(k, tuple(t.shape)) if v1 else tuple(t.shape)
+              for k, t in targets.items()}
     for k, t in targets.items():  # every shape before the first read; MXFP4 bytes are uint8
-        check_tensor(store, k, tuple(t.shape), t.dtype == np.uint8, root / LLM_JAX_CONFIG,
-                      cfg, {})
-    return {k: np.asarray(store.get(k)).astype(t.dtype) for k, t in targets.items()}
+        check_tensor(store, k, shapes[k], t.dtype == np.uint8, root / LLM_JAX_CONFIG, cfg, {})
+    params = {k: np.asarray(store.get(k)).astype(t.dtype) for k, t in targets.items()
+              if not (v1 and k.endswith(("_blocks", "_scales")))}
+    for k in targets:
+        if v1 and k.endswith("_blocks"):
+            stack = k.removesuffix("_blocks")
+            blocks, scales = store.get(k), store.get(stack + "_scales")
+            pb = params[k] = aligned_empty(targets[k].shape, np.uint8)
+            ps = params[stack + "_scales"] = aligned_empty(targets[stack + "_scales"].shape,
+                                                           np.uint8)
+            for n, e in np.ndindex(*blocks.shape[:2]):
+                pb[n, e], ps[n, e] = to_model_layout(blocks[n, e], scales[n, e])
+    return params
+
+
+def _v1_packed_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A version-1 llm_jax tensor's shape: packed stacks (L, E, out, G, 16) / (L, E, out, G)."""
+    if key.endswith("_blocks"):
+        *lead, g, b, o = shape
+        return (*lead, o, g, b)
+    if key.endswith("_scales"):
+        *lead, g, o = shape
+        return (*lead, o, g)
+    return shape
 
 
 def _openai_config(root: Path) -> ModelConfig:

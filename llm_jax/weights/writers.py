@@ -22,6 +22,7 @@ from llm_jax.weights.layouts import (
     HF_WEIGHTS,
     LLM_JAX_CONFIG,
     LLM_JAX_PARAMS,
+    LLM_JAX_VERSION,
     hf_specs,
     openai_specs,
     write_specs,
@@ -30,11 +31,13 @@ from llm_jax.weights.tensor_store import save_safetensors
 
 
 def save_llm_jax(model: nnx.Module, directory: str | Path) -> Path:
-    """Writes `config.json` + `params.safetensors` (bitwise copy of the params)."""
+    """Writes `config.json` + `params.safetensors` (bitwise copy of the params). Version 2:
+    packed expert stacks in the model's layout (`model.mxfp4.PackedExperts`); version 1 held
+    them in the checkpoint's order, which the reader still converts."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     save_safetensors(flat_params(model), d / LLM_JAX_PARAMS)
-    meta = {"format": "llm_jax", "version": 1, "model": model.cfg.to_dict()}
+    meta = {"format": "llm_jax", "version": LLM_JAX_VERSION, "model": model.cfg.to_dict()}
     (d / LLM_JAX_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return d
 

@@ -20,13 +20,36 @@ from llm_jax.model.moe import MoE, route
 from llm_jax.model.moe_dispatch import DISPATCHES
 from llm_jax.model.mxfp4 import FP4_VALUES, PackedExperts, dense, unpack
 from llm_jax.model.params import TRAINABLE, PackedParam
-from llm_jax.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from llm_jax.weights.mxfp4 import (
+    dequantize_mxfp4,
+    dequantize_stack,
+    quantize_mxfp4,
+    to_checkpoint_layout,
+    to_model_layout,
+)
 
 
 def _random_packed(rng, e, d_out, d_in, scale_range=(118, 124)):
+    """Checkpoint layout: blocks (E, out, in / 32, 16), scales (E, out, in / 32)."""
     blocks = rng.integers(0, 256, (e, d_out, d_in // 32, 16), dtype=np.uint8)
     scales = rng.integers(*scale_range, (e, d_out, d_in // 32), dtype=np.uint8)
     return blocks, scales
+
+
+def test_model_layout_holds_the_checkpoint_codes_and_gives_its_bytes_back():
+    blocks, scales = _random_packed(np.random.default_rng(5), 3, 40, 96, (0, 256))
+    mb, ms = to_model_layout(blocks, scales)
+    assert mb.shape == (3, 3, 16, 40) and ms.shape == (3, 3, 40)
+    # Byte row j of block g: value 32 g + j (low nibble) and 32 g + 16 + j (high nibble).
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(3, 40, 3, 32)  # value order
+    np.testing.assert_array_equal(mb & 15, np.moveaxis(codes[..., :16], 1, -1))
+    np.testing.assert_array_equal(mb >> 4, np.moveaxis(codes[..., 16:], 1, -1))
+    np.testing.assert_array_equal(ms, np.swapaxes(scales, -1, -2))
+    back_b, back_s = to_checkpoint_layout(mb, ms)
+    np.testing.assert_array_equal(back_b, blocks)
+    np.testing.assert_array_equal(back_s, scales)
+    np.testing.assert_array_equal(dequantize_stack(mb, ms),
+                                  np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
@@ -38,9 +61,10 @@ def test_unpack_equals_host_dequantization_bitwise_for_every_byte_and_scale(dtyp
     scales = np.repeat(np.array([2, 3, 100, 126, 127, 128, 140, 200, 254], np.uint8),
                        16).reshape(9, 16)
     with np.errstate(over="ignore"):  # 6 * 2^127 is past float32's range: inf on both sides
-        want = dequantize_mxfp4(blocks, scales).astype(dtype)
-    got = np.asarray(jax.jit(unpack, static_argnums=2)(blocks, scales, jnp.dtype(dtype)))
-    assert got.dtype == np.dtype(dtype) and got.shape == (9, 512)
+        want = np.ascontiguousarray(dequantize_mxfp4(blocks, scales).astype(dtype).T)  # [in, out]
+    got = np.asarray(jax.jit(unpack, static_argnums=2)(*to_model_layout(blocks, scales),
+                                                       jnp.dtype(dtype)))
+    assert got.dtype == np.dtype(dtype) and got.shape == (512, 9)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
@@ -72,8 +96,9 @@ def test_packed_experts_index_like_the_dense_stack_and_carry_an_adapter():
     blocks, scales = _random_packed(rng, 4, 48, 64)
     a = rng.normal(size=(4, 64, 3)).astype(np.float32)
     b = rng.normal(size=(4, 3, 48)).astype(np.float32)
-    w = PackedExperts(jnp.asarray(blocks), jnp.asarray(scales), jnp.asarray(a), jnp.asarray(b),
-                      0.5, "float32")
+    mb, ms = to_model_layout(blocks, scales)
+    w = PackedExperts(jnp.asarray(mb), jnp.asarray(ms), jnp.asarray(a), jnp.asarray(b), 0.5,
+                      "float32")
     ref = np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2) + 0.5 * a @ b  # [E, I, O]
     assert w.shape == (4, 64, 48) and w[1].shape == (64, 48)
     np.testing.assert_allclose(dense(w), ref, rtol=1e-6, atol=1e-6)
@@ -100,14 +125,14 @@ def _layers(cfg: ModelConfig, seed: int = 0) -> tuple[MoE, MoE]:
     # Scales so that some SwiGLU inputs pass the clamp (|h| > 7).
     b, s = _random_packed(rng, cfg.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size,
                           (124, 127))
-    packed.gate_up_proj_blocks[...], packed.gate_up_proj_scales[...] = b, s
+    packed.gate_up_proj_blocks[...], packed.gate_up_proj_scales[...] = to_model_layout(b, s)
     dense_layer = MoE(dataclasses.replace(cfg, expert_format="dense"), rngs=nnx.Rngs(params=9))
     for name in ("router", "router_bias", "gate_up_proj_bias", "down_proj_bias"):
         getattr(dense_layer, name)[...] = getattr(packed, name)[...]
     for name in ("gate_up_proj", "down_proj"):
-        w = dequantize_mxfp4(np.asarray(getattr(packed, f"{name}_blocks")[...]),
+        w = dequantize_stack(np.asarray(getattr(packed, f"{name}_blocks")[...]),
                              np.asarray(getattr(packed, f"{name}_scales")[...]))
-        getattr(dense_layer, name)[...] = jnp.asarray(np.swapaxes(w, -1, -2))
+        getattr(dense_layer, name)[...] = jnp.asarray(w)
     return packed, dense_layer
 
 
@@ -161,10 +186,10 @@ def test_packed_stacks_are_frozen_params():
     names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)}
     assert names == {"router", "router_bias", "gate_up_proj_bias", "down_proj_bias"}
     assert all(v.dtype == np.uint8 for v in jax.tree.leaves(nnx.state(packed, PackedParam)))
-    # The same logical axes as the dense stack, the 16 bytes of a block unnamed.
+    # The same logical axes as the dense stack, the 16 byte rows of a block unnamed.
     assert packed.gate_up_proj_blocks.get_metadata()["out_sharding"] == (
-        "experts", "mlp", "embed", None)
-    assert packed.down_proj_scales.get_metadata()["out_sharding"] == ("experts", "embed", "mlp")
+        "experts", "embed", None, "mlp")
+    assert packed.down_proj_scales.get_metadata()["out_sharding"] == ("experts", "mlp", "embed")
 
 
 def test_mxfp4_needs_sizes_that_are_multiples_of_32():

@@ -116,3 +116,28 @@ def test_param_count_from_eval_shape_matches_closed_form(cfg):
     leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing allocated
     assert sum(x.size for x in leaves) == _closed_form_param_count(cfg)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_with_a_cache_each_layer_is_sliced_where_it_runs(platform):
+    # Off CPU each layer's weights are sliced with an index tied to the layer's input: with a
+    # constant index the slices are loop-invariant inside a decode loop, and XLA:TPU hoisted
+    # them out of it as copies of every layer's weights (docs/scaling.md). CPU programs compile
+    # without that hoisting and keep the constant index. Both compute the same thing.
+    from llm_jax.model.kv_cache import init_cache
+    from llm_jax.runtime.backend import compiling_for
+
+    model = init_model(SMALL, seed=2)
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, SMALL.vocab_size)
+    cache = init_cache(SMALL, 2, 8, "float32")
+
+    def hidden(model, tokens, cache):
+        return model.hidden_states(tokens, None, None, cache)[0]
+
+    with compiling_for(platform):
+        jaxpr = jax.make_jaxpr(hidden)(model, tokens, cache)
+        h = nnx.jit(hidden)(model, tokens, cache)
+    barriers = str(jaxpr).count("optimization_barrier")
+    assert barriers == (0 if platform == "cpu" else SMALL.num_hidden_layers), barriers
+    ref = model.hidden_states(tokens)[0]
+    np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-5)

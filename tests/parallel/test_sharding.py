@@ -256,7 +256,7 @@ def case_packed_expert_parallel() -> dict:
     from llm_jax.model.moe_dispatch import moe_dense
     from llm_jax.model.moe_parallel import moe_expert_parallel, moe_gmm
     from llm_jax.model.mxfp4 import PackedExperts
-    from llm_jax.weights.mxfp4 import dequantize_mxfp4
+    from llm_jax.weights.mxfp4 import dequantize_mxfp4, to_model_layout
 
     d, e, f, k = 32, 8, 64, 2
     rng = np.random.default_rng(0)
@@ -267,7 +267,8 @@ def case_packed_expert_parallel() -> dict:
              b1=rng.normal(size=(e, 2 * f)), b2=rng.normal(size=(e, d)) * 0.1)
     p = {n: jnp.asarray(v, jnp.float32) for n, v in p.items()}
     deq = {n: jnp.asarray(np.swapaxes(dequantize_mxfp4(*bs), -1, -2)) for n, bs in packed.items()}
-    stacks = {n: PackedExperts(jnp.asarray(b), jnp.asarray(s)) for n, (b, s) in packed.items()}
+    stacks = {n: PackedExperts(*map(jnp.asarray, to_model_layout(*bs)))
+              for n, bs in packed.items()}
     x = jax.random.normal(jax.random.key(1), (64, d))
     ct = jax.random.normal(jax.random.key(2), (64, d)) / 64
 

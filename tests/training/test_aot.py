@@ -103,3 +103,4 @@ print(json.dumps(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(kernels) == 2 and all(n > 0 for n in kernels.values()), kernels
+

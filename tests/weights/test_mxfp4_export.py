@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import ROOT, write_mxfp4_checkpoint
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from llm_jax import ModelConfig, load_pretrained
 from llm_jax.convert import main as convert_main
@@ -56,10 +56,12 @@ def mxfp4_tensors(root: Path, num_layers: int) -> dict[tuple[int, str, str], np.
     out = {}
     for n in range(num_layers):
         for w in OPENAI_NAMES:
+            if f"layers.mlp.{w}_blocks" in files:  # llm_jax: stacked over layers, model layout
+                out[n, w, "blocks"], out[n, w, "scales"] = mxfp4.to_checkpoint_layout(
+                    files[f"layers.mlp.{w}_blocks"][n], files[f"layers.mlp.{w}_scales"][n])
+                continue
             for part in ("blocks", "scales"):
-                if f"layers.mlp.{w}_{part}" in files:  # llm_jax: stacked over layers
-                    t = files[f"layers.mlp.{w}_{part}"][n]
-                elif f"block.{n}.mlp.{OPENAI_NAMES[w]}.{part}" in files:
+                if f"block.{n}.mlp.{OPENAI_NAMES[w]}.{part}" in files:
                     t = files[f"block.{n}.mlp.{OPENAI_NAMES[w]}.{part}"]
                 else:
                     t = files[f"model.layers.{n}.mlp.experts.{w}_{part}"]
@@ -150,6 +152,28 @@ def test_llm_jax_checkpoint_loads_in_either_expert_format(tmp_path):
     got = flat.flat_params(mxfp4.dequantize_experts(again))
     for k in dense:
         np.testing.assert_array_equal(got[k], dense[k], err_msg=k)
+
+
+def test_llm_jax_checkpoint_of_version_1_reads_its_packed_stacks_in_checkpoint_order(tmp_path):
+    # Version 1 of the llm_jax format stored packed stacks as the HF checkpoint orders them,
+    # (L, E, out, G, 16); the reader converts them to the model's layout, the same codes.
+    cfg = CONFIGS["top3"]
+    write_mxfp4_checkpoint(tmp_path / "src", cfg, "hf")
+    model = load_pretrained(tmp_path / "src")
+    writers.save_llm_jax(model, tmp_path / "v1")
+    params = load_file(str(tmp_path / "v1" / "params.safetensors"))
+    for key in [k for k in params if k.endswith("_blocks")]:
+        stack = key.removesuffix("_blocks")
+        b, s = mxfp4.to_checkpoint_layout(params[key], params[stack + "_scales"])
+        params[key], params[stack + "_scales"] = b, s
+    save_file(params, str(tmp_path / "v1" / "params.safetensors"))
+    meta = json.loads((tmp_path / "v1" / "config.json").read_text())
+    assert meta["version"] == 2
+    (tmp_path / "v1" / "config.json").write_text(json.dumps({**meta, "version": 1}))
+    got, want = flat.flat_params(load_pretrained(tmp_path / "v1")), flat.flat_params(model)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 # ---------------------------------------------------------------------- the convert CLI

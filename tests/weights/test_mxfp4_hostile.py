@@ -117,10 +117,10 @@ def test_truncated_mxfp4_data_is_refused_by_name(layout, name, cut, tmp_path, mo
 
 
 @pytest.mark.parametrize("key, array, want", [
-    ("layers.mlp.gate_up_proj_blocks", np.zeros((2, E, F2, 2, 16), np.float32),
+    ("layers.mlp.gate_up_proj_blocks", np.zeros((2, E, 2, 16, F2), np.float32),
      "dtype float32, expected uint8"),
-    ("layers.mlp.down_proj_scales", np.zeros((2, E, D, 2), np.uint8),
-     r"shape \(2, 4, 64, 2\), expected \(2, 4, 64, 1\)"),
+    ("layers.mlp.down_proj_scales", np.zeros((2, E, 2, D), np.uint8),
+     r"shape \(2, 4, 2, 64\), expected \(2, 4, 1, 64\)"),
 ])
 def test_hostile_mxfp4_in_an_llm_jax_checkpoint_is_refused_by_name(key, array, want, tmp_path,
                                                                   monkeypatch):
