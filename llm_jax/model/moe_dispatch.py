@@ -47,6 +47,7 @@ from llm_jax.model.experts import (
 )
 from llm_jax.model.matmul import einsum
 from llm_jax.model.moe_parallel import moe_expert_parallel, moe_gmm
+from llm_jax.model.mxfp4 import PackedExperts
 from llm_jax.model.select import auto_moe
 from llm_jax.parallel.sharding import constrain
 from llm_jax.runtime.backend import backend
@@ -121,6 +122,11 @@ def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: floa
         h = expert_einsum("bD,DF->bF", x_bD, w.gate_up_EDF2[ex], w.gate_up_bias_EF2[ex])
         return expert_einsum("bF,FD->bD", swiglu(h, limit), w.down_EFD[ex], w.down_bias_ED[ex])
 
+    if isinstance(w.gate_up_EDF2, PackedExperts) or isinstance(w.down_EFD, PackedExperts):
+        # Recomputed in the backward pass: otherwise every block's gathered and unpacked expert
+        # is saved for it (gpt-oss-20b at 256 tokens: ~5 GB a layer), where the packed stack,
+        # shared by all blocks, is already there.
+        one_block = jax.checkpoint(one_block)
     y_AD = jax.lax.map(one_block, (x_GbD, expert_G)).reshape(-1, d)[slot_A]
     return combine(y_AD.reshape(t, k, d), routing.weights_Tk)
 

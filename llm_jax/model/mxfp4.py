@@ -7,11 +7,11 @@ low nibble first. An E2M1 value times a power of two is exact in bfloat16 and fl
 packed model computes exactly the function of the same model dequantized (docs/model.md,
 "MXFP4").
 
-`PackedExperts` holds one expert stack as the checkpoint's codes and scales, reordered so that the
-output axis is the minor one (an export writes back the bytes that were read) and behaves like the dense [E, in, out] stack it
-stands for where the MoE dispatches need it: `w[e]` picks experts (still packed) and
-`dense(w, dtype)` unpacks what is left, so each dispatch unpacks only what it multiplies (the
-chosen experts, one block's expert, or one device's experts). A LoRA adapter over a packed,
+`PackedExperts` holds one expert stack as the checkpoint's codes and scales, reordered so that
+the output axis is the minor one (an export writes back the bytes that were read), and behaves
+like the dense [E, in, out] stack it stands for where the MoE dispatches need it: `w[e]` picks
+experts (still packed) and `dense(w, dtype)` unpacks what is left, so each dispatch unpacks only
+what it multiplies (the chosen experts, one block's expert, or one device's experts). A LoRA adapter over a packed,
 frozen stack rides along (`lora_a`, `lora_b`): applied beside the unpacked experts
 (`experts.expert_einsum`) or added to them (`unpacked`), so the adapter's gradient flows through
 exactly the experts a token used.
