@@ -118,7 +118,7 @@ class Transformer(nnx.Module):
             auxes, new_cache = [], []
             for i, layer_cache in enumerate(cache):
                 state = (layers[i] if layers is not None else
-                         self.layer_state(i, after=None if backend() == "cpu" else x))
+                         _layer_slice(layer_state, i, None if backend() == "cpu" else x))
                 block = nnx.merge(graphdef, state)
                 x, aux, layer_cache = block(x, positions_BT, cfg.layer_window(i), segment_ids_BT,
                                             layer_cache, train=train)
@@ -135,17 +135,8 @@ class Transformer(nnx.Module):
         return tuple(self.layer_state(i) for i in range(self.cfg.num_hidden_layers))
 
     def layer_state(self, i: int, *, after: jax.Array | None = None) -> nnx.State:
-        """Layer i's slice of the stacked layer weights. `after`: the layer's input, to which an
-        optimization barrier ties the index (XLA cannot see that it is still i), so the slice is
-        taken where the layer runs. Taken with a constant index inside a decode loop, the slices
-        are loop-invariant, and XLA:TPU hoisted them out of the loop as copies: every layer's
-        weights a second time, live for the whole loop (docs/scaling.md). XLA:CPU's inference
-        programs compile without that hoisting (`runtime.backend.CPU_INFERENCE_OPTIONS`)."""
-        _, layer_state = nnx.split(self.layers)
-        if after is not None:
-            i, _ = jax.lax.optimization_barrier((jnp.asarray(i, jnp.int32), after))
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
-                            layer_state)
+        """Layer i's slice of the stacked layer weights (`_layer_slice`)."""
+        return _layer_slice(nnx.split(self.layers)[1], i, after)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         return logits(h_BTD, self.unembedding[...], self.cfg.compute_dtype)
@@ -179,3 +170,16 @@ def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 def abstract_model(cfg: ModelConfig) -> Transformer:
     """The model with ShapeDtypeStruct leaves: shapes and counts without allocating memory."""
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+
+
+def _layer_slice(layer_state: nnx.State, i: int, after: jax.Array | None) -> nnx.State:
+    """Layer i's slice of the stacked layer weights `layer_state`. `after`: the layer's input,
+    to which an optimization barrier ties the index (XLA cannot see that it is still i), so the
+    slice is taken where the layer runs. Taken with a constant index inside a decode loop, the slices
+    are loop-invariant, and XLA:TPU hoisted them out of the loop as copies: every layer's
+    weights a second time, live for the whole loop (docs/scaling.md). XLA:CPU's inference
+    programs compile without that hoisting (`runtime.backend.CPU_INFERENCE_OPTIONS`)."""
+    if after is not None:
+        i, _ = jax.lax.optimization_barrier((jnp.asarray(i, jnp.int32), after))
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                        layer_state)

@@ -26,7 +26,6 @@ Shapes: L layers, V vocab, D hidden, N q heads, K kv heads, H head_dim, E expert
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,6 +58,7 @@ from llm_jax.weights.layouts import (
     HF_WEIGHTS,
     LLM_JAX_CONFIG,
     LLM_JAX_PARAMS,
+    LLM_JAX_VERSION,
     hf_specs,
     openai_specs,
 )
@@ -196,8 +196,12 @@ def _llm_jax_params(root: Path, cfg: ModelConfig,
     if missing:
         raise ValueError(f"{root / LLM_JAX_PARAMS} is missing tensor(s) {missing[:5]}, which "
                          f"{root / LLM_JAX_CONFIG} implies")
-    meta = json.loads((root / LLM_JAX_CONFIG).read_text())
-    v1 = meta.get("version", 1) < 2  # packed stacks as the HF checkpoint orders them
+    path = root / LLM_JAX_CONFIG
+    version = Fields(read_json_object(path), str(path)).int("version", default=1)
+    if version > LLM_JAX_VERSION:
+        raise ValueError(f"{path}: version={version}, but this llm_jax reads versions up to "
+                         f"{LLM_JAX_VERSION}: it was written by a newer llm_jax")
+    v1 = version < 2  # packed stacks as the HF checkpoint orders them
     shapes = {k: _v1_packed_shape(k, tuple(t.shape)) if v1 else tuple(t.shape)
               for k, t in targets.items()}
     for k, t in targets.items():  # every shape before the first read; MXFP4 bytes are uint8

@@ -303,3 +303,18 @@ def test_openai_export_gives_openai_reference_logits(source, src_layout, tmp_pat
     diff = float(np.max(np.abs(got - want)))
     print(f"\ngpt_oss.torch parity max|diff| = {diff:.3e} (logit scale {np.abs(want).max():.2f})")
     assert diff <= TOL
+
+
+def test_llm_jax_checkpoint_of_a_newer_version_is_refused_by_name(tmp_path):
+    cfg = CONFIGS["top2"]
+    write_mxfp4_checkpoint(tmp_path / "src", cfg, "hf")
+    writers.save_llm_jax(load_pretrained(tmp_path / "src"), tmp_path / "lj")
+    path = tmp_path / "lj" / "config.json"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, "version": 3}))
+    with pytest.raises(ValueError, match=r"config.json: version=3, but this llm_jax reads "
+                                         r"versions up to 2"):
+        load_pretrained(tmp_path / "lj")
+    path.write_text(json.dumps({**meta, "version": "two"}))
+    with pytest.raises(ValueError, match="version"):
+        load_pretrained(tmp_path / "lj")
