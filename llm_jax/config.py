@@ -70,6 +70,10 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls and activations
     param_dtype: str = "float32"  # storage dtype of weights (norm scales always float32)
     expert_format: str = "dense"  # one of EXPERT_FORMATS; mxfp4 experts are frozen
+    # The grouped-matmul dispatches (gmm, expert_parallel_gmm) unpack mxfp4 experts a group at a
+    # time, each group's unpacked stack at most this many MiB (at least one expert); 0 = a
+    # layer's whole stack at once.
+    mxfp4_unpack_mib: int = 256
     # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel*) apply only to
     # training calls (`train=True`); every other call computes the exact function.
     moe_dispatch: str = "auto"
@@ -126,6 +130,8 @@ class ModelConfig:
             )
         if self.sliding_window < 0:
             bad("sliding_window", "0 (off) or a positive window length")
+        if self.mxfp4_unpack_mib < 0:
+            bad("mxfp4_unpack_mib", "0 (a whole layer at once) or a positive size in MiB")
         for name in ("rope_theta", "rope_ntk_alpha", "rope_ntk_beta", "swiglu_limit",
                      "moe_capacity_factor"):
             if not getattr(self, name) > 0:

@@ -93,6 +93,9 @@ FIELD_DOCS: dict[str, str] = {
     "attention_impl": "how self-attention runs: auto (model/select.py's table: splash on TPU, "
                       "direct / blockwise by shape elsewhere), direct, blockwise, splash, flash "
                       "(GPU Pallas kernel, opt-in)",
+    "mxfp4_unpack_mib": "gmm dispatches over packed experts: unpack a layer's experts in "
+                        "groups of at most this many MiB (0 = all at once), bounding the "
+                        "unpacked weights held at a time",
     "moe_capacity_factor": "dropping dispatches: slots per expert = factor x T k / E; runs "
                            "factor x the expert FLOPs, drops overflow",
     "prms_fraction": "pRMSNorm: estimate the RMS from this fraction of features (0 = full "

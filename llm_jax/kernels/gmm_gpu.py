@@ -50,10 +50,12 @@ def _pad_to(x: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
     return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
-def _bounds(group_sizes_G: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Row ranges [lo_g, hi_g) of the groups."""
-    hi = jnp.cumsum(group_sizes_G.astype(jnp.int32))
-    return hi - group_sizes_G.astype(jnp.int32), hi
+def _bounds(group_sizes: jax.Array, offset: jax.Array, g: int) -> tuple[jax.Array, jax.Array]:
+    """Row ranges [lo_g, hi_g) of the `g` groups from `offset` on (of all len(group_sizes))."""
+    hi = jnp.cumsum(group_sizes.astype(jnp.int32))
+    lo = hi - group_sizes.astype(jnp.int32)
+    return (jax.lax.dynamic_slice_in_dim(lo, offset, g),
+            jax.lax.dynamic_slice_in_dim(hi, offset, g))
 
 
 def _dot(a, b, contract_a: int, contract_b: int):
@@ -105,17 +107,21 @@ def _whole(x: jax.Array) -> pl.BlockSpec:
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _forward(lhs, rhs, group_sizes, transpose_rhs: bool, interpret: bool) -> jax.Array:
-    """lhs [M, K] x rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N]."""
+def _forward(lhs, rhs, group_sizes, offset, transpose_rhs: bool, interpret: bool) -> jax.Array:
+    """lhs [M, K] x rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N]; rhs holds groups
+    offset .. offset + G - 1 of group_sizes, rows of other groups are zero."""
     (m, k), g = lhs.shape, rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     (bm, mp), (bk, kp), (bn, np_) = _rows(m), _tile(k), _tile(n)
     lhs = _pad_to(lhs, (mp, kp))
     rhs = _pad_to(rhs, (g, np_, kp) if transpose_rhs else (g, kp, np_))
-    lo, hi = _bounds(group_sizes)
+    lo, hi = _bounds(group_sizes, offset, g)
     starts = jnp.arange(mp // bm, dtype=jnp.int32) * bm
+    # The groups meeting each row tile: none for the tiles before or after these groups' rows.
     first = jnp.searchsorted(hi, starts, side="right").astype(jnp.int32)
-    last = jnp.minimum(jnp.searchsorted(hi, starts + bm - 1, side="right"), g - 1)
+    last = jnp.minimum(jnp.searchsorted(hi, starts + bm - 1, side="right"),
+                       jnp.searchsorted(lo, starts + bm - 1, side="right") - 1)
+    last = jnp.minimum(last, g - 1)
     meta = (lo, hi, first, last.astype(jnp.int32))
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, bk=bk, transpose_rhs=transpose_rhs),
@@ -128,12 +134,12 @@ def _forward(lhs, rhs, group_sizes, transpose_rhs: bool, interpret: bool) -> jax
     return out[:m, :n]
 
 
-def _transposed(lhs, dout, group_sizes, num_groups: int, interpret: bool) -> jax.Array:
+def _transposed(lhs, dout, group_sizes, offset, num_groups: int, interpret: bool) -> jax.Array:
     """d rhs: [G, K, N] with [g] = lhs[rows of g]^T @ dout[rows of g]."""
     (m, k), n = lhs.shape, dout.shape[1]
     (bm, mp), (bk, kp), (bn, np_) = _rows(m), _tile(k), _tile(n)
     lhs, dout = _pad_to(lhs, (mp, kp)), _pad_to(dout, (mp, np_))
-    lo, hi = _bounds(group_sizes)
+    lo, hi = _bounds(group_sizes, offset, num_groups)
     out = pl.pallas_call(
         functools.partial(_tgmm_kernel, bm=bm),
         grid=(num_groups, kp // bk, np_ // bn),
@@ -145,33 +151,40 @@ def _transposed(lhs, dout, group_sizes, num_groups: int, interpret: bool) -> jax
     return out[:, :k, :n]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm(lhs, rhs, group_sizes, interpret):
-    return _forward(lhs, rhs, group_sizes, False, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gmm(lhs, rhs, group_sizes, offset, interpret):
+    return _forward(lhs, rhs, group_sizes, offset, False, interpret)
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, interpret):
-    return _forward(lhs, rhs, group_sizes, False, interpret), (lhs, rhs, group_sizes)
+def _gmm_fwd(lhs, rhs, group_sizes, offset, interpret):
+    out = _forward(lhs, rhs, group_sizes, offset, False, interpret)
+    return out, (lhs, rhs, group_sizes, offset)
 
 
 def _gmm_bwd(interpret, res, dout):
-    lhs, rhs, group_sizes = res
-    dlhs = _forward(dout.astype(rhs.dtype), rhs, group_sizes, True, interpret)
-    drhs = _transposed(lhs, dout.astype(lhs.dtype), group_sizes, rhs.shape[0], interpret)
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+    lhs, rhs, group_sizes, offset = res
+    dlhs = _forward(dout.astype(rhs.dtype), rhs, group_sizes, offset, True, interpret)
+    drhs = _transposed(lhs, dout.astype(lhs.dtype), group_sizes, offset, rhs.shape[0],
+                       interpret)
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
-        interpret: bool = False) -> jax.Array:
+        interpret: bool = False, group_offset: jax.Array | int | None = None) -> jax.Array:
     """`lax.ragged_dot(lhs, rhs, group_sizes)` for rows sorted by group, differentiable in lhs
-    and rhs; the output in lhs's dtype, accumulated in float32."""
+    and rhs; the output in lhs's dtype, accumulated in float32. With `group_offset` o, rhs holds
+    groups o .. o + G - 1 of len(group_sizes) and the rows of the other groups are zero."""
     if lhs_MK.ndim != 2 or rhs_GKN.ndim != 3 or lhs_MK.shape[1] != rhs_GKN.shape[1]:
         raise ValueError(f"gmm: expected lhs [M, K] and rhs [G, K, N], got {lhs_MK.shape} and "
                          f"{rhs_GKN.shape}")
-    if group_sizes_G.shape != (rhs_GKN.shape[0],):
-        raise ValueError(f"gmm: group_sizes must be [G] = [{rhs_GKN.shape[0]}], got "
+    g = rhs_GKN.shape[0]
+    if group_offset is None and group_sizes_G.shape != (g,):
+        raise ValueError(f"gmm: group_sizes must be [G] = [{g}], got {group_sizes_G.shape}")
+    if group_sizes_G.ndim != 1 or group_sizes_G.shape[0] < g:
+        raise ValueError(f"gmm: group_sizes must be [>= G] = [>= {g}] with a group_offset, got "
                          f"{group_sizes_G.shape}")
-    return _gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), interpret)
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    return _gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), offset, interpret)

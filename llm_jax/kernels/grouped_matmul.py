@@ -34,15 +34,25 @@ KERNELS = ("megablox", "triton")
 
 
 def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, kernel: str,
-                   interpret: bool = False) -> jax.Array:
+                   interpret: bool = False, group_offset: jax.Array | int | None = None
+                   ) -> jax.Array:
     """`lax.ragged_dot(x, w, sizes)` by a kernel (rows past sum(sizes) are zero).
+
+    With `group_offset` o, `w_EKN` holds only groups o .. o + w.shape[0] - 1 of the len(sizes)
+    groups: their rows are multiplied and every other row is zero (a packed stack is unpacked
+    and multiplied a group of experts at a time, model/moe_parallel.py). megablox visits only
+    the row tiles of those groups; the Triton kernel skips the others' tiles.
 
     megablox wants whole row tiles whose rows all belong to groups: the rows are zero-padded to
     the tile and the padding counted into the last group, then dropped."""
-    if kernel == "triton":
-        return gmm_gpu.gmm(x_MK, w_EKN, sizes_E, interpret=interpret)
-    if kernel != "megablox":
+    if kernel not in KERNELS:
         raise ValueError(f"grouped_matmul: kernel={kernel!r}, expected one of {KERNELS}")
+    if group_offset is None and w_EKN.shape[0] != sizes_E.shape[0]:
+        raise ValueError(f"grouped_matmul: {sizes_E.shape[0]} group sizes for a stack of "
+                         f"{w_EKN.shape[0]} groups, without a group_offset")
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    if kernel == "triton":
+        return gmm_gpu.gmm(x_MK, w_EKN, sizes_E, interpret=interpret, group_offset=offset)
     m, k = x_MK.shape
     tile = tiling(m, k, w_EKN.shape[2])
     mp = -(-m // tile[0]) * tile[0]
@@ -50,6 +60,6 @@ def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, ker
     total = jnp.sum(sizes_E)
     rows = jnp.arange(m)[:, None]
     x_MK = jnp.pad(jnp.where(rows < total, x_MK, 0), ((0, mp - m), (0, 0)))
-    y = gmm(x_MK, w_EKN, sizes_E.at[-1].add(mp - total), x_MK.dtype, tile, None, None, False,
-            interpret)
+    y = gmm(x_MK, w_EKN, sizes_E.at[-1].add(mp - total), x_MK.dtype, tile,
+            None if group_offset is None else offset, None, False, interpret)
     return jnp.where(rows < total, y[:m], 0)

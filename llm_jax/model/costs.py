@@ -329,7 +329,8 @@ INFERENCE_ASSUMPTIONS = (
     "over tensor, ideal division",
     "unpacked experts: the widest the dispatches unpack at once, in compute dtype: a prefill "
     "(T k > E) unpacks a layer's local stack E / (expert x tensor x fsdp) x 3DF, a decode step "
-    "(gather) its min(E, B k) chosen experts; 0 for dense experts",
+    "(gather) its min(E, B k) chosen experts; 0 for dense experts (an upper bound on TPU, "
+    "whose gmm dispatch unpacks groups of at most mxfp4_unpack_mib MiB)",
     "logits: B x V float32 at the last position; not counted: the prefill's activations "
     "(one layer's, freed as the scan moves on), XLA temporaries, compiled code",
 )

@@ -189,7 +189,8 @@ def _gmm_kernel() -> dict[str, Any]:
 
 
 def _gmm(x, r, w, cfg):
-    return moe_gmm(x, r, w, cfg.swiglu_limit, **_gmm_kernel()), jnp.zeros((), jnp.float32)
+    return (moe_gmm(x, r, w, cfg.swiglu_limit, unpack_mib=cfg.mxfp4_unpack_mib, **_gmm_kernel()),
+            jnp.zeros((), jnp.float32))
 
 
 def _capacity(x, r, w, cfg):
@@ -208,7 +209,8 @@ def _expert_parallel_exact(x, r, w, cfg):
 def _expert_parallel_gmm(x, r, w, cfg, factor: float | None = None):
     if factor is None:
         factor = cfg.moe_capacity_factor
-    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, factor, **_gmm_kernel())
+    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, factor,
+                               unpack_mib=cfg.mxfp4_unpack_mib, **_gmm_kernel())
 
 
 def _expert_parallel_gmm_exact(x, r, w, cfg):

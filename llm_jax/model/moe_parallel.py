@@ -57,11 +57,45 @@ from llm_jax.model.experts import (
     swiglu,
     unsort,
 )
-from llm_jax.model.mxfp4 import dense
+from llm_jax.model.mxfp4 import ExpertStack, PackedExperts, dense
 from llm_jax.parallel.sharding import RULES, mesh_axes
 
 P = jax.sharding.PartitionSpec
-GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # ragged_dot's signature
+GroupedMatmul = Callable[..., jax.Array]  # ragged_dot's signature (+ group_offset: a kernel)
+
+
+def experts_per_unpack(w: PackedExperts, unpack_mib: int) -> int:
+    """How many of the stack's (local) experts are unpacked at a time: the most whose dense
+    form fits in `unpack_mib` MiB (at least one, all with 0) and that divide their number."""
+    e, i, o = w.shape
+    if unpack_mib == 0:
+        return e
+    fit = max(1, unpack_mib * 2**20 // (i * o * jnp.dtype(w.dtype).itemsize))
+    return max(d for d in range(1, e + 1) if e % d == 0 and d <= fit)
+
+
+def grouped_experts(x_MK: jax.Array, w: ExpertStack, sizes_E: jax.Array, *,
+                    grouped: GroupedMatmul, unpack_mib: int = 0) -> jax.Array:
+    """`grouped(x, w, sizes)` for sorted rows. A packed stack is unpacked `experts_per_unpack`
+    experts at a time when `grouped` is a kernel (it takes a `group_offset`: those experts'
+    rows are multiplied, the others are zero), each group inside one step of a loop, and
+    recomputed in the backward pass: a layer never holds more than one group unpacked. (gpt-oss-
+    20b's 32 gate-up experts are 1.06 GB in bfloat16; 8 at a time, 265 MB.) `lax.ragged_dot`
+    takes no offset: it gets the whole stack unpacked."""
+    if not isinstance(w, PackedExperts):
+        return grouped(x_MK, w, sizes_E)
+    e = w.shape[0]
+    n = experts_per_unpack(w, unpack_mib) if grouped is not jax.lax.ragged_dot else e
+    if n == e:
+        return grouped(x_MK, dense(w), sizes_E)
+
+    @jax.checkpoint
+    def one_group(i, y_MN):
+        part = w.experts(i * n, n)
+        return y_MN + grouped(x_MK, dense(part), sizes_E, group_offset=i * n)
+
+    y0 = jnp.zeros((x_MK.shape[0], w.shape[2]), x_MK.dtype)
+    return jax.lax.fori_loop(0, e // n, one_group, y0)
 
 
 def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -> int:
@@ -71,10 +105,11 @@ def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -
 
 def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, limit: float,
                factor: float, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...],
-               batch_axes: tuple[str, ...], n: int, grouped: GroupedMatmul):
+               batch_axes: tuple[str, ...], n: int, grouped: GroupedMatmul,
+               unpack_mib: int = 0):
     """One device's share: steps 1-5 of the module doc. Returns (y [T, D], dropped count).
-    Packed stacks are unpacked here, on the device that holds those experts."""
-    w1_EDF, w2_EFD = dense(w1_EDF), dense(w2_EFD)
+    Packed stacks are unpacked here, on the device that holds those experts
+    (`grouped_experts`)."""
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     el = w1_EDF.shape[0]
@@ -107,6 +142,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
     sizes = jnp.bincount(e_R, length=el + 1).astype(jnp.int32)
     sizes = sizes[:el].at[el - 1].add(sizes[el])
     ge = jnp.minimum(e_R, el - 1)
+    grouped = functools.partial(grouped_experts, grouped=grouped, unpack_mib=unpack_mib)
     h = grouped(permute_rows(x_recv, order_R, inv_R), w1_EDF, sizes) + b1_EF[ge]
     y = grouped(swiglu(h, limit), w2_EFD, sizes)
     if mlp_axes:  # each device computed its slice of F: sum the partial outputs
@@ -127,16 +163,17 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
 
 def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float,
                         capacity_factor: float, rules=RULES, *, kernel: str | None = None,
-                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                        interpret: bool = False, unpack_mib: int = 0
+                        ) -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, D], fraction of assignments dropped), on the mesh in context.
     `kernel` ("megablox", "triton"): the local grouped matmuls by that Pallas kernel instead of
-    `lax.ragged_dot`."""
+    `lax.ragged_dot` (and packed experts unpacked `unpack_mib` MiB at a time)."""
     mesh = jax.sharding.get_abstract_mesh()
     t, k = routing.experts_Tk.shape
     grouped: GroupedMatmul = jax.lax.ragged_dot
     if kernel is not None:
         grouped = functools.partial(grouped_matmul, kernel=kernel, interpret=interpret)
-    kwargs = dict(limit=limit, factor=capacity_factor, grouped=grouped)
+    kwargs = dict(limit=limit, factor=capacity_factor, grouped=grouped, unpack_mib=unpack_mib)
     if mesh.empty:
         y, dropped = _local_moe(x_TD, routing.experts_Tk, routing.weights_Tk, *w, expert_axes=(),
                                 mlp_axes=(), batch_axes=(), n=1, **kwargs)
@@ -176,12 +213,14 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
 
 
 def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, interpret: bool,
-               kernel: str, mlp_axes: tuple[str, ...]):
-    w1, w2 = dense(w1), dense(w2)  # packed stacks: unpacked on this device, before the kernel
+               kernel: str, mlp_axes: tuple[str, ...], unpack_mib: int):
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     s = sort_by_expert(experts_Tk, w1.shape[0])
-    grouped = functools.partial(grouped_matmul, kernel=kernel, interpret=interpret)
+    # Packed stacks: unpacked on this device, a group of experts at a time.
+    grouped = functools.partial(
+        grouped_experts, unpack_mib=unpack_mib,
+        grouped=functools.partial(grouped_matmul, kernel=kernel, interpret=interpret))
     h_AF2 = grouped(x_TD[s.order_A // k], w1, s.group_sizes_E) + b1[s.experts_A]
     y_AD = grouped(swiglu(h_AF2, limit), w2, s.group_sizes_E)
     if mlp_axes:
@@ -191,20 +230,23 @@ def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, in
 
 
 def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *,
-            kernel: str = "megablox", interpret: bool = False) -> jax.Array:
+            kernel: str = "megablox", interpret: bool = False, unpack_mib: int = 0
+            ) -> jax.Array:
     """`moe_ragged` with grouped-matmul kernels (`kernel`: "megablox" for TPU, "triton" for
-    GPU); on the mesh in context (see module doc)."""
+    GPU), packed experts unpacked `unpack_mib` MiB at a time (`grouped_experts`); on the mesh
+    in context (see module doc)."""
     args = (x_TD, routing.experts_Tk, routing.weights_Tk, w.gate_up_EDF2, w.gate_up_bias_EF2,
             w.down_EFD, w.down_bias_ED)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return _local_gmm(*args, limit=limit, interpret=interpret, kernel=kernel, mlp_axes=())
+        return _local_gmm(*args, limit=limit, interpret=interpret, kernel=kernel, mlp_axes=(),
+                          unpack_mib=unpack_mib)
     batch, mlp = mesh_axes(mesh, ("batch",)), mesh_axes(mesh, ("mlp",))
     if x_TD.shape[0] % math.prod(mesh.shape[a] for a in batch):
         batch = ()
     bs, ms = batch or None, mlp or None
     fn = functools.partial(_local_gmm, limit=limit, interpret=interpret, kernel=kernel,
-                           mlp_axes=mlp)
+                           mlp_axes=mlp, unpack_mib=unpack_mib)
     return jax.shard_map(
         fn, mesh=mesh,
         in_specs=(P(bs), P(bs), P(bs), stack_spec(w.gate_up_EDF2, (None, None, ms)), P(None, ms),

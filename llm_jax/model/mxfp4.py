@@ -118,6 +118,13 @@ class PackedExperts:
         return dataclasses.replace(self, blocks=pick(self.blocks), scales=pick(self.scales),
                                    lora_a=pick(self.lora_a), lora_b=pick(self.lora_b))
 
+    def experts(self, start: jax.Array | int, size: int) -> PackedExperts:
+        """Experts start .. start + size - 1 (a traced `start` allowed), still packed."""
+        pick = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(  # noqa: E731
+            x, start, size)
+        return dataclasses.replace(self, blocks=pick(self.blocks), scales=pick(self.scales),
+                                   lora_a=pick(self.lora_a), lora_b=pick(self.lora_b))
+
     def frozen(self) -> PackedExperts:
         """The packed base alone, without the adapter."""
         return dataclasses.replace(self, lora_a=None, lora_b=None, lora_scale=1.0)

@@ -1,5 +1,7 @@
 """`grouped_matmul` (the kernels behind `lax.ragged_dot`'s signature) against `lax.ragged_dot`,
-interpret mode: rows that do not fill a tile and rows past the groups (zero in ragged_dot)."""
+interpret mode: rows that do not fill a tile and rows past the groups (zero in ragged_dot); and
+with a `group_offset`, some groups' weights only (the others' rows zero), whose sum over the
+groups is the whole product (float32, within 2e-5 on O(1) values)."""
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,35 @@ def test_matches_ragged_dot_with_rows_past_the_groups(kernel):
     assert float(jnp.max(jnp.abs(got[120:]))) == 0.0
     for a, g in zip((want, *pull(do)), (got, *pull_got(do))):
         np.testing.assert_allclose(g, a, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kernel", ["megablox", "triton"])
+def test_a_group_offset_multiplies_those_groups_rows_only(kernel):
+    r = np.random.default_rng(1)
+    x = jnp.asarray(r.normal(size=(300, 128)) / 11, jnp.float32)
+    w = jnp.asarray(r.normal(size=(6, 128, 256)), jnp.float32)
+    # Groups that straddle row tiles, an empty one, rows past the groups (the padding rows join
+    # the last group, in the last part only).
+    sizes = jnp.asarray([70, 0, 131, 1, 60, 20], jnp.int32)
+    do = jnp.asarray(r.normal(size=(300, 256)), jnp.float32)
+    want, pull = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w)
+    dx_want, dw_want = pull(do)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    total, dx, dws = 0.0, 0.0, []
+    for start in (0, 2, 4):  # three parts of two groups each
+        part = lambda a, b, start=start: grouped_matmul(  # noqa: E731
+            a, b, sizes, kernel=kernel, interpret=True, group_offset=jnp.int32(start))
+        got, pull_got = jax.jit(lambda a, b, part=part: jax.vjp(part, a, b))(x, w[start:start + 2])
+        lo, hi = bounds[start], bounds[start + 2]
+        outside = np.concatenate([np.asarray(got)[:lo], np.asarray(got)[hi:]])
+        assert not outside.any()
+        np.testing.assert_allclose(got[lo:hi], want[lo:hi], rtol=1e-5, atol=2e-5)
+        g_x, g_w = pull_got(do)
+        total, dx = total + got, dx + g_x
+        dws.append(g_w)
+    np.testing.assert_allclose(total, want, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(dx, dx_want, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(jnp.concatenate(dws), dw_want, rtol=1e-5, atol=2e-5)
 
 
 def test_unknown_kernel_is_named():

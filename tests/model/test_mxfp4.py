@@ -18,6 +18,7 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.model.moe import MoE, route
 from llm_jax.model.moe_dispatch import DISPATCHES
+from llm_jax.model.moe_parallel import experts_per_unpack
 from llm_jax.model.mxfp4 import FP4_VALUES, PackedExperts, dense, unpack
 from llm_jax.model.params import TRAINABLE, PackedParam
 from llm_jax.weights.mxfp4 import (
@@ -136,6 +137,22 @@ def _layers(cfg: ModelConfig, seed: int = 0) -> tuple[MoE, MoE]:
     return packed, dense_layer
 
 
+def _outputs_and_input_grads(layer: MoE, x: jax.Array, ct: jax.Array):
+    graphdef, state = nnx.split(layer)
+
+    def loss(x, state):
+        y, aux = nnx.merge(graphdef, state)(x, train=True)
+        return jnp.sum(y * ct), (y, aux.drop_fraction)
+
+    (_, (y, drop)), gx = jax.jit(jax.value_and_grad(loss, has_aux=True))(x, state)
+    return y, drop, gx
+
+
+def _assert_close(got, want):
+    np.testing.assert_allclose(got, want, rtol=0,
+                               atol=1e-6 * (1 + float(jnp.max(jnp.abs(want)))))
+
+
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
 def test_packed_layer_equals_dequantized_layer_outputs_and_input_gradients(dispatch, k):
@@ -145,25 +162,36 @@ def test_packed_layer_equals_dequantized_layer_outputs_and_input_gradients(dispa
     packed, dense_layer = _layers(cfg, seed=k)
     x = jax.random.normal(jax.random.key(k), (2, 12, cfg.hidden_size))
     ct = jax.random.normal(jax.random.key(7), x.shape)
-
-    def run(layer):
-        graphdef, state = nnx.split(layer)
-
-        def loss(x, state):
-            y, aux = nnx.merge(graphdef, state)(x, train=True)
-            return jnp.sum(y * ct), (y, aux.drop_fraction)
-
-        (_, (y, drop)), gx = jax.jit(jax.value_and_grad(loss, has_aux=True))(x, state)
-        return y, drop, gx
-
-    y_p, drop_p, gx_p = run(packed)
-    y_d, drop_d, gx_d = run(dense_layer)
+    y_p, drop_p, gx_p = _outputs_and_input_grads(packed, x, ct)
+    y_d, drop_d, gx_d = _outputs_and_input_grads(dense_layer, x, ct)
     h = np.einsum("td,edf->tef", np.asarray(x).reshape(24, -1), dense_layer.gate_up_proj[...])
     assert (np.abs(h[..., 0::2]) > 7).any()  # the clamp is in play
     assert float(drop_p) == float(drop_d) == 0.0
-    np.testing.assert_allclose(y_p, y_d, rtol=0, atol=1e-6 * (1 + float(jnp.max(jnp.abs(y_d)))))
-    np.testing.assert_allclose(gx_p, gx_d, rtol=0,
-                               atol=1e-6 * (1 + float(jnp.max(jnp.abs(gx_d)))))
+    _assert_close(y_p, y_d)
+    _assert_close(gx_p, gx_d)
+
+
+@pytest.mark.parametrize("dispatch", ["gmm", "expert_parallel_gmm"])
+def test_kernel_dispatches_unpack_a_group_of_experts_at_a_time(dispatch):
+    # 512 x 1024 float32 gate-up experts are 2 MiB each, the down ones 1 MiB: with 2 MiB groups
+    # the gate-up stack is unpacked one expert at a time, the down stack two at a time, and the
+    # layer still equals the dequantized one.
+    cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3,
+                              moe_dispatch=dispatch, moe_capacity_factor=8 / 3,
+                              mxfp4_unpack_mib=2)
+    packed, dense_layer = _layers(cfg, seed=5)
+    x = jax.random.normal(jax.random.key(5), (2, 20, cfg.hidden_size))
+    ct = jax.random.normal(jax.random.key(6), x.shape)
+    y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct)
+    y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct)
+    _assert_close(y_p, y_d)
+    _assert_close(gx_p, gx_d)
+    graphdef, state = nnx.split(packed)
+    text = jax.jit(lambda x, s: nnx.merge(graphdef, s)(x)[0]).lower(x, state).as_text()
+    assert "1x512x1024xf32" in text and "2x512x512xf32" in text
+    assert "8x512x1024xf32" not in text and "8x512x512xf32" not in text
+    assert experts_per_unpack(packed.expert_weights().gate_up_EDF2, 0) == 8  # 0: all at once
+    assert experts_per_unpack(packed.expert_weights().gate_up_EDF2, 5) == 2  # divides E = 8
 
 
 def test_gather_unpacks_only_the_chosen_experts():
