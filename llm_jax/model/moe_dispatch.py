@@ -23,7 +23,7 @@ a small batch reads only the chosen experts), else `gmm` on TPU (model/select.py
 `ragged` on GPU and `blocked` on CPU, where XLA lowers `ragged_dot` as dense work. The dropping
 dispatches are a training-speed opt-in: they apply only when the model is called with
 `train=True`, so evaluation, prefill and decode always compute the exact function
-(expert_parallel runs with enough slots to drop nothing).
+(expert_parallel runs with enough slots to drop nothing; a decode step gathers).
 """
 
 from __future__ import annotations
@@ -234,12 +234,15 @@ EXACT_FALLBACK: dict[str, DispatchFn] = {"expert_parallel": _expert_parallel_exa
 
 def select_dispatch(cfg: ModelConfig, num_tokens: int, *, train: bool) -> DispatchFn:
     """The dispatch a call runs: the configured one, unless it drops and this is not training
-    (then the exact one of the same kind, or `auto`'s choice); `auto` by shape and backend."""
+    (then `gather` for a decode step, T k <= E, which reads only the chosen experts and needs no
+    token split over the expert axis; else the exact one of the same kind, or `auto`'s
+    choice); `auto` by shape and backend."""
     name = cfg.moe_dispatch
+    auto = auto_moe(cfg, num_tokens)
     if name != "auto":
         dispatch = DISPATCHES[name]
         if train or not dispatch.drops:
             return dispatch.fn
-        if name in EXACT_FALLBACK:
+        if name in EXACT_FALLBACK and auto != "gather":
             return EXACT_FALLBACK[name]
-    return DISPATCHES[auto_moe(cfg, num_tokens)].fn
+    return DISPATCHES[auto].fn

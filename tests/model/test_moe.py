@@ -14,6 +14,7 @@ from llm_jax.model.experts import ExpertWeights, Routing, swiglu
 from llm_jax.model.moe import MoE, route, router_aux
 from llm_jax.model.moe_dispatch import (
     DISPATCHES,
+    EXACT_FALLBACK,
     capacity,
     moe_capacity,
     moe_dense,
@@ -151,6 +152,12 @@ def test_dropping_dispatches_run_only_in_training_and_the_rest_is_exact():
         is not DISPATCHES["capacity"].fn
     assert select_dispatch(CFG.replace(moe_dispatch="dense"), 64, train=False) \
         is DISPATCHES["dense"].fn
+    # Outside training a dropping dispatch runs exactly: expert_parallel with every slot, or, for
+    # a decode step (T k <= E: one token need not split over the expert axis), gather.
+    ep = CFG.replace(moe_dispatch="expert_parallel_gmm")
+    assert select_dispatch(ep, 64, train=False) is EXACT_FALLBACK["expert_parallel_gmm"]
+    assert select_dispatch(ep, 1, train=False) is DISPATCHES["gather"].fn
+    assert select_dispatch(ep, 1, train=True) is DISPATCHES["expert_parallel_gmm"].fn
 
 
 def test_auto_moe_gathers_for_few_tokens_and_is_dropless_for_many():
