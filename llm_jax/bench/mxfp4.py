@@ -251,7 +251,7 @@ def _qlora_step(model: Any, seq_len: int, rank: int, seed: int) -> dict[str, Any
 
     from llm_jax.model.lora import TARGETS, LoRAParam, add_lora
     from llm_jax.training.run_config import default_run_config
-    from llm_jax.training.step import TrainState, make_optimizer, train_step
+    from llm_jax.training.step import TrainState, jit_train_step, make_optimizer
 
     add_lora(model, rank=rank, alpha=2.0 * rank, targets=tuple(TARGETS), seed=seed)
     train = default_run_config("qlora", model.cfg).train
@@ -262,10 +262,9 @@ def _qlora_step(model: Any, seq_len: int, rank: int, seed: int) -> dict[str, Any
     tokens = np.random.default_rng(seed).integers(4, model.cfg.vocab_size, (1, seq_len + 1))
     batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
              "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
-    step = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, train=train,
-                                     trainable=LoRAParam), donate_argnums=(0,))
+    step = jit_train_step(graphdef, tx, train, LoRAParam)
     t0 = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.compile(state, batch)
     t1 = time.perf_counter()
     state, metrics = compiled(state, batch)
     loss = float(metrics["loss"])

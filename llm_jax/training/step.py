@@ -5,11 +5,15 @@ L layers, E experts.
 
 `train_step(state, batch) -> (state, metrics)` is a pure function; `compile_steps` compiles it
 (and `eval_step`) with explicit in/out shardings and a donated state, so the same step runs on
-one CPU or a mesh.
+one CPU or a mesh. The params it does not train (LoRA's base, packed experts) go in beside the
+state, neither donated nor returned (`TrainStep`): a step that returned them would write a copy
+of each one whenever donation cannot alias its buffer, as on CPU, where the loader's arrays are
+zero-copy views of host memory (QLoRA of gpt-oss-20b: 12.8 GiB more a step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -177,6 +181,61 @@ def train_step(
                       opt_state=opt_state), metrics
 
 
+def train_step_frozen_apart(state: TrainState, frozen: nnx.State, batch: Batch, *,
+                            trainable: Any = TRAINABLE, **kwargs: Any
+                            ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`train_step` on a state whose params are the `trainable` ones only, the rest in
+    `frozen`; returns the state the same way (see `TrainStep`)."""
+    full = state.replace(params=nnx.merge_state(state.params, frozen))
+    new, metrics = train_step(full, batch, trainable=trainable, **kwargs)
+    return new.replace(params=new.params.split(trainable, ...)[0]), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """The jitted step, called like `train_step` with a whole TrainState: the params it does not
+    train are split off and passed as an argument the step neither donates nor returns, then
+    put back beside the updated ones (the same arrays). `lower` takes the same arguments."""
+
+    jitted: Any  # jit of train_step_frozen_apart(state, frozen, batch)
+    trainable: Any
+
+    def split(self, state: TrainState) -> tuple[TrainState, nnx.State]:
+        trained, frozen = state.params.split(self.trainable, ...)
+        return state.replace(params=trained), frozen
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        trained, frozen = self.split(state)
+        new, metrics = self.jitted(trained, frozen, batch)
+        return new.replace(params=nnx.merge_state(new.params, frozen)), metrics
+
+    def lower(self, state: Any, batch: Any) -> Any:
+        return self.jitted.lower(*self.split(state), batch)
+
+    def compile(self, state: Any, batch: Any) -> TrainStep:
+        """Compiled ahead of time for these (possibly abstract) arguments; called the same way."""
+        return dataclasses.replace(self, jitted=self.lower(state, batch).compile())
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size()
+
+
+def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                   train: ml_collections.ConfigDict, trainable: Any = TRAINABLE,
+                   mesh: Mesh | None = None, state_sharding: Any = None,
+                   batch_sharding: Any = None) -> TrainStep:
+    """`train_step` jitted with its state donated and its frozen params apart (`TrainStep`);
+    with `state_sharding`, explicit in/out shardings."""
+    fn = with_mesh(functools.partial(train_step_frozen_apart, graphdef=graphdef, tx=tx,
+                                     train=train, trainable=trainable), mesh)
+    kwargs: dict[str, Any] = {}
+    if state_sharding is not None:
+        trained_sh, frozen_sh = TrainStep(None, trainable).split(state_sharding)
+        kwargs = dict(in_shardings=(trained_sh, frozen_sh, batch_sharding),
+                      out_shardings=(trained_sh, replicated(mesh)))
+    return TrainStep(jax.jit(fn, donate_argnums=(0,), **kwargs), trainable)
+
+
 def eval_step(params: nnx.State, batch: Batch, *, graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
     """Sums over the batch's counted targets: negative log-likelihood (nats), targets, and
     their UTF-8 bytes (padding counts for nothing)."""
@@ -194,7 +253,7 @@ def eval_step(params: nnx.State, batch: Batch, *, graphdef: nnx.GraphDef) -> dic
 class Steps(flax.struct.PyTreeNode):
     """The compiled steps and the shardings they were compiled for."""
 
-    train: Callable = flax.struct.field(pytree_node=False)
+    train: TrainStep = flax.struct.field(pytree_node=False)
     eval: Callable = flax.struct.field(pytree_node=False)
     init: Callable = flax.struct.field(pytree_node=False)
     state_sharding: Any = flax.struct.field(pytree_node=False)
@@ -228,10 +287,7 @@ def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh
     rep = replicated(mesh)
     # Traced under the mesh, so activation constraints and the expert-parallel MoE see it.
     init = jax.jit(with_mesh(init_fn, mesh), out_shardings=state_sh)
-    step = jax.jit(with_mesh(functools.partial(train_step, graphdef=graphdef, tx=tx, train=train,
-                                               trainable=trainable), mesh),
-                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
-                   donate_argnums=(0,))
+    step = jit_train_step(graphdef, tx, train, trainable, mesh, state_sh, batch_sh)
     evaluate = jax.jit(with_mesh(functools.partial(eval_step, graphdef=graphdef), mesh),
                        in_shardings=(state_sh.params, batch_sh), out_shardings=rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
