@@ -117,11 +117,10 @@ def _forward(lhs, rhs, group_sizes, offset, transpose_rhs: bool, interpret: bool
     rhs = _pad_to(rhs, (g, np_, kp) if transpose_rhs else (g, kp, np_))
     lo, hi = _bounds(group_sizes, offset, g)
     starts = jnp.arange(mp // bm, dtype=jnp.int32) * bm
-    # The groups meeting each row tile: none for the tiles before or after these groups' rows.
+    # The groups meeting each row tile: the first ending after its first row, the last starting
+    # at or before its last row (none for the tiles before or after these groups' rows).
     first = jnp.searchsorted(hi, starts, side="right").astype(jnp.int32)
-    last = jnp.minimum(jnp.searchsorted(hi, starts + bm - 1, side="right"),
-                       jnp.searchsorted(lo, starts + bm - 1, side="right") - 1)
-    last = jnp.minimum(last, g - 1)
+    last = jnp.searchsorted(lo, starts + bm - 1, side="right") - 1
     meta = (lo, hi, first, last.astype(jnp.int32))
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, bk=bk, transpose_rhs=transpose_rhs),

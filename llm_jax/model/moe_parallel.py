@@ -77,15 +77,15 @@ def experts_per_unpack(w: PackedExperts, unpack_mib: int) -> int:
 def grouped_experts(x_MK: jax.Array, w: ExpertStack, sizes_E: jax.Array, *,
                     grouped: GroupedMatmul, unpack_mib: int = 0) -> jax.Array:
     """`grouped(x, w, sizes)` for sorted rows. A packed stack is unpacked `experts_per_unpack`
-    experts at a time when `grouped` is a kernel (it takes a `group_offset`: those experts'
-    rows are multiplied, the others are zero), each group inside one step of a loop, and
+    experts at a time (`grouped`, a kernel, takes a `group_offset`: those experts' rows are
+    multiplied, the others are zero), each group inside one step of a loop, and
     recomputed in the backward pass: a layer never holds more than one group unpacked. (gpt-oss-
     20b's 32 gate-up experts are 1.06 GB in bfloat16; 8 at a time, 265 MB.) `lax.ragged_dot`
-    takes no offset: it gets the whole stack unpacked."""
+    takes no offset: its callers pass `unpack_mib=0`, the whole stack unpacked."""
     if not isinstance(w, PackedExperts):
         return grouped(x_MK, w, sizes_E)
     e = w.shape[0]
-    n = experts_per_unpack(w, unpack_mib) if grouped is not jax.lax.ragged_dot else e
+    n = experts_per_unpack(w, unpack_mib)
     if n == e:
         return grouped(x_MK, dense(w), sizes_E)
 
@@ -173,7 +173,9 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
     grouped: GroupedMatmul = jax.lax.ragged_dot
     if kernel is not None:
         grouped = functools.partial(grouped_matmul, kernel=kernel, interpret=interpret)
-    kwargs = dict(limit=limit, factor=capacity_factor, grouped=grouped, unpack_mib=unpack_mib)
+    # lax.ragged_dot takes no group offset: without a kernel a packed stack unpacks whole.
+    kwargs = dict(limit=limit, factor=capacity_factor, grouped=grouped,
+                  unpack_mib=unpack_mib if kernel is not None else 0)
     if mesh.empty:
         y, dropped = _local_moe(x_TD, routing.experts_Tk, routing.weights_Tk, *w, expert_axes=(),
                                 mlp_axes=(), batch_axes=(), n=1, **kwargs)

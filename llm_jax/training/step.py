@@ -132,6 +132,13 @@ def loss_fn(
     return loss, metrics
 
 
+def split_frozen(state: TrainState, trainable: Any = TRAINABLE) -> tuple[TrainState, nnx.State]:
+    """(the state with only its `trainable` params, the other params): works on a state of
+    arrays, abstract values or shardings alike."""
+    trained, frozen = state.params.split(trainable, ...)
+    return state.replace(params=trained), frozen
+
+
 def train_step(
     state: TrainState,
     batch: Batch,
@@ -143,7 +150,24 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from `grad_accum_steps` microbatches of the global batch; only the
     `trainable` params get gradients and updates (the rest is frozen)."""
-    trained, frozen = state.params.split(trainable, ...)
+    trained, frozen = split_frozen(state, trainable)
+    new, metrics = train_step_frozen_apart(trained, frozen, batch, graphdef=graphdef, tx=tx,
+                                           train=train)
+    return new.replace(params=nnx.merge_state(new.params, frozen)), metrics
+
+
+def train_step_frozen_apart(
+    state: TrainState,
+    frozen: nnx.State,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    train: ml_collections.ConfigDict,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`train_step` on a state whose params are the trained ones only, the others in `frozen`
+    (read, never returned: see `TrainStep`); returns the state the same way."""
+    trained = state.params
     loss = lambda p, batch, num_targets: loss_fn(nnx.merge_state(p, frozen), graphdef, batch,  # noqa: E731
                                                  train, num_targets)
     loss = faults.poison_loss(loss, state.step, train.get("inject_nan_at_step", -1))
@@ -177,18 +201,7 @@ def train_step(
                                          (params, opt_state), (trained, state.opt_state))
     metrics = {**metrics, "grad_norm": grad_norm, "finite": finite,
                "lr": learning_rate_schedule(train)(state.step)}
-    return TrainState(step=state.step + 1, params=nnx.merge_state(params, frozen),
-                      opt_state=opt_state), metrics
-
-
-def train_step_frozen_apart(state: TrainState, frozen: nnx.State, batch: Batch, *,
-                            trainable: Any = TRAINABLE, **kwargs: Any
-                            ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """`train_step` on a state whose params are the `trainable` ones only, the rest in
-    `frozen`; returns the state the same way (see `TrainStep`)."""
-    full = state.replace(params=nnx.merge_state(state.params, frozen))
-    new, metrics = train_step(full, batch, trainable=trainable, **kwargs)
-    return new.replace(params=new.params.split(trainable, ...)[0]), metrics
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,17 +213,13 @@ class TrainStep:
     jitted: Any  # jit of train_step_frozen_apart(state, frozen, batch)
     trainable: Any
 
-    def split(self, state: TrainState) -> tuple[TrainState, nnx.State]:
-        trained, frozen = state.params.split(self.trainable, ...)
-        return state.replace(params=trained), frozen
-
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        trained, frozen = self.split(state)
+        trained, frozen = split_frozen(state, self.trainable)
         new, metrics = self.jitted(trained, frozen, batch)
         return new.replace(params=nnx.merge_state(new.params, frozen)), metrics
 
     def lower(self, state: Any, batch: Any) -> Any:
-        return self.jitted.lower(*self.split(state), batch)
+        return self.jitted.lower(*split_frozen(state, self.trainable), batch)
 
     def compile(self, state: Any, batch: Any) -> TrainStep:
         """Compiled ahead of time for these (possibly abstract) arguments; called the same way."""
@@ -227,10 +236,10 @@ def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     """`train_step` jitted with its state donated and its frozen params apart (`TrainStep`);
     with `state_sharding`, explicit in/out shardings."""
     fn = with_mesh(functools.partial(train_step_frozen_apart, graphdef=graphdef, tx=tx,
-                                     train=train, trainable=trainable), mesh)
+                                     train=train), mesh)
     kwargs: dict[str, Any] = {}
     if state_sharding is not None:
-        trained_sh, frozen_sh = TrainStep(None, trainable).split(state_sharding)
+        trained_sh, frozen_sh = split_frozen(state_sharding, trainable)
         kwargs = dict(in_shardings=(trained_sh, frozen_sh, batch_sharding),
                       out_shardings=(trained_sh, replicated(mesh)))
     return TrainStep(jax.jit(fn, donate_argnums=(0,), **kwargs), trainable)
