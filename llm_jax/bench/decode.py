@@ -1,13 +1,14 @@
 """Decode tokens/s and prefill time beside transformers' `generate`, on the same weights.
 
     python -m llm_jax.bench decode [--repeats 3] [--batches 1,8] [--prompt_len 128]
-        [--new_tokens 256] [--no_hf]
+        [--new_tokens 256] [--no_hf] [--mxfp4]
 
 Random weights of configs/tiny.py's model, greedy: llm_jax's on-device decode loop
 (`llm_jax.sample`) against GptOssForCausalLM.generate with eager attention on the same weights.
 Each contender runs in a process of its own (two runtimes in one process slow each other down,
 bench/common.py) and they take turns call by call; and the real cache's bytes against
-costs.kv_cache_bytes at several contexts.
+costs.kv_cache_bytes at several contexts. With `--mxfp4`, a third contender: the same model with
+its experts held packed (`expert_format="mxfp4"`), whose decode should be no slower than dense.
 """
 
 from __future__ import annotations
@@ -33,15 +34,21 @@ from llm_jax.model.costs import kv_cache_bytes
 from llm_jax.model.kv_cache import cache_nbytes, init_cache
 from llm_jax.training.run_config import model_config
 
+MXFP4 = "llm_jax mxfp4"  # the contender with packed experts (--mxfp4)
+
 
 def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1, 8),
-        prompt_len: int = 128, new_tokens: int = 256, hf: bool = True) -> dict[str, Any]:
+        prompt_len: int = 128, new_tokens: int = 256, hf: bool = True,
+        mxfp4: bool = False) -> dict[str, Any]:
     cfg = model_config(tiny_run_config())
     if quick:
         cfg, batches, prompt_len, new_tokens, repeats = quick_model_config(), (1,), 8, 256, 3
     r = bench(cfg, batches=batches, prompt_len=prompt_len, new_tokens=new_tokens,
-              repeats=repeats, hf=hf)
+              repeats=repeats, hf=hf, mxfp4=mxfp4)
     for row in r["decode"]:
+        if MXFP4 in row:
+            row["mxfp4_decode_ratio"] = (row[MXFP4]["decode_tokens_per_s"]
+                                         / row["llm_jax"]["decode_tokens_per_s"])
         if "transformers" in row:
             j, h = row["llm_jax"], row["transformers"]
             row["decode_speedup"] = j["decode_tokens_per_s"] / h["decode_tokens_per_s"]
@@ -50,7 +57,7 @@ def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1,
 
 
 def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), prompt_len: int = 128,
-          new_tokens: int = 256, repeats: int = 3, hf: bool = True,
+          new_tokens: int = 256, repeats: int = 3, hf: bool = True, mxfp4: bool = False,
           kv_contexts: Sequence[int] = (128, 512, 2048, 8192), seed: int = 0) -> dict[str, Any]:
     """Prefill time and decode tokens/s (medians of `repeats`) for random weights of `cfg`
     (default: the tiny config), beside transformers' `generate` on the same weights; and the real
@@ -62,7 +69,8 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
     generate - median prefill)."""
     cfg = cfg or ModelConfig()
     rng = np.random.default_rng(seed)
-    sides = {"llm_jax": _jax_contender, **({"transformers": _hf_contender} if hf else {})}
+    sides = {"llm_jax": _jax_contender, **({"transformers": _hf_contender} if hf else {}),
+             **({MXFP4: _packed_contender} if mxfp4 else {})}
     rows = []
     for b in batches:
         prompts = rng.integers(4, cfg.vocab_size, (b, prompt_len)).astype(np.int32)
@@ -111,6 +119,12 @@ def _jax_contender(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens:
     return lambda: jax.block_until_ready(jprefill(state, tokens, lengths))
 
 
+def _packed_contender(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: int,
+                      what: str) -> Callable[[], Any]:
+    """`_jax_contender` with the experts held packed in MXFP4 (random codes and scales)."""
+    return _jax_contender(cfg.replace(expert_format="mxfp4"), seed, prompts, new_tokens, what)
+
+
 def _hf_contender(cfg: ModelConfig, seed: int, prompts: np.ndarray, new_tokens: int,
                   what: str) -> Callable[[], Any]:
     """In a child process: the twin of `init_model(cfg, seed)` in transformers, its prefill (a
@@ -139,11 +153,14 @@ def format_result(r: dict[str, Any]) -> str:
                      f"{j['prefill_s'] * 1e3:.1f}", f"{j['decode_tokens_per_s']:.0f}",
                      f"{h['prefill_s'] * 1e3:.1f}" if h else "-",
                      f"{h['decode_tokens_per_s']:.0f}" if h else "-",
-                     f"{row['decode_speedup']:.2f}x" if h else "-"])
+                     f"{row['decode_speedup']:.2f}x" if h else "-"]
+                    + ([f"{row[MXFP4]['decode_tokens_per_s']:.0f}",
+                        f"{row['mxfp4_decode_ratio']:.2f}x"] if MXFP4 in row else []))
+    mx = ["mxfp4 decode tok/s", "mxfp4 / dense"] if any(MXFP4 in row for row in r["decode"]) else []
     return (f"decode, greedy, medians of {r['repeats']}; load {r['machine']['load_average']}\n"
             + table(["batch", "prompt", "new", "llm_jax prefill ms", "llm_jax decode tok/s",
                      "transformers prefill ms", "transformers decode tok/s",
-                     "decode speed-up"], rows))
+                     "decode speed-up", *mx], rows))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -152,8 +169,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--no_hf", dest="hf", action="store_false", help="skip transformers")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="also decode with the experts held packed (expert_format=mxfp4)")
 
 
 def from_args(a: argparse.Namespace) -> dict[str, Any]:
     return run(repeats=a.repeats, quick=a.quick, batches=a.batches, prompt_len=a.prompt_len,
-               new_tokens=a.new_tokens, hf=a.hf)
+               new_tokens=a.new_tokens, hf=a.hf, mxfp4=a.mxfp4)

@@ -56,7 +56,7 @@ def unpack(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
     two neighbouring values a byte, made XLA:TPU materialise the steps of the interleave, and
     the swap of I and O after it.
 
-    Integer work only: each value's bits are written directly (`_values`)."""
+    Integer work and one multiply a value (`_values`)."""
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.float32, jnp.bfloat16):
         return unpack(blocks, scales, jnp.float32).astype(dtype)
@@ -68,21 +68,24 @@ def unpack(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
 def _values(codes: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
     """E2M1 codes (uint8, 0..15) times 2^(scale - 127) in `dtype` (float32 or bfloat16).
 
-    An E2M1 magnitude is 2^e times 1 or 1.5 (e in -1..2), so times the block's 2^(s - 127) it
-    is the float with exponent field e + s and mantissa 0 or .1 in binary, exactly, in float32
-    and bfloat16 alike (both have the 8-bit, bias-127 exponent): no float arithmetic, no table
-    lookup (a gather that XLA materialises as int32 indices), no float32 copy for a bfloat16
-    model. Exponent fields past 254 give inf, as numpy's ldexp does; those below 1 give 0
-    where the value would be subnormal (scale bytes 0 and 1 only; XLA flushes subnormals to
-    zero in any computation). float16 (5 exponent bits) goes through float32."""
-    uint, width, mant = (jnp.uint32, 32, 23) if dtype == jnp.float32 else (jnp.uint16, 16, 7)
-    codes = codes.astype(jnp.int32)
-    mag = codes & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    exponent = jnp.where(mag >= 2, (mag >> 1) - 1, -1) + scales.astype(jnp.int32)
-    bits = jnp.where(exponent >= 255, 255 << mant,
-                     (exponent << mant) | jnp.where(mag >= 2, mag & 1, 0) << (mant - 1))
-    bits = jnp.where((mag == 0) | (exponent <= 0), 0, bits) | (codes >> 3) << (width - 1)
-    return jax.lax.bitcast_convert_type(bits.astype(uint), dtype)
+    Twice an E2M1 magnitude (0, 1, 2, 3, 4, 6, 8, 12) is the float32 whose bits are the code's
+    three magnitude bits moved to bits 22-24 plus 1.0's exponent (codes 2..7: exponent 1..3,
+    mantissa .0 or .1), or 0 and 1.0 for codes 0 and 1; the sign bit goes to bit 31 (code 8 is
+    -0). One float multiply by 2^(scale - 128), built from the scale byte's bits once per block,
+    makes the value: exact, since both factors are powers of two times 1 or 1.5, and the product
+    of twice the value by half the scale reaches scale byte 255 (the largest result, 0.5 * 2^128,
+    is float32's largest power of two) as numpy's ldexp does, inf past it. No table lookup (a
+    gather that XLA materialises as int32 indices). Scale bytes 0 and 1 give 0 (float32
+    subnormals, which XLA flushes to zero in any computation). bfloat16 has float32's exponent
+    range and more mantissa than E2M1 needs, so the float32 value converts to it exactly;
+    float16 (5 exponent bits) goes through float32 too."""
+    c = codes.astype(jnp.uint32)
+    mag = c & 7
+    twice = jnp.where(mag >= 2, (mag << 22) + (127 << 23), (0 - mag) & (127 << 23))
+    half_scale = jax.lax.bitcast_convert_type(
+        (jnp.maximum(scales, 1).astype(jnp.uint32) - 1) << 23, jnp.float32)
+    value = jax.lax.bitcast_convert_type(twice | (c & 8) << 28, jnp.float32) * half_scale
+    return value.astype(dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -31,7 +31,9 @@ EXPECTED = {
     and all(row["llm_jax"]["tokens_per_s"] > 0 and 0 < row["llm_jax"]["mfu"]
                            and row["transformers"]["tokens_per_s"] > 0 and row["speedup"] > 0
                            and np.isfinite(row["llm_jax"]["last_loss"]) for row in r["rows"]),
-    "decode": lambda r: all(row["llm_jax"]["decode_tokens_per_s"] > 0 for row in r["decode"]),
+    "decode": lambda r: all(row["llm_jax"]["decode_tokens_per_s"] > 0
+                            and row["llm_jax mxfp4"]["decode_tokens_per_s"] > 0
+                            and row["mxfp4_decode_ratio"] > 0 for row in r["decode"]),
     "prefill": lambda r: all(row["prefill_s"] > 0 and row["peak_rss_bytes"] > 2**20
                              for row in r["rows"]),
     "finetune": lambda r: [row["mode"] for row in r["rows"]] == ["full", "lora", "lora_attn"]
@@ -51,7 +53,7 @@ EXPECTED = {
     and all(r["llm_jax"][p]["peak_rss_bytes"] >= 0 for p in ("load", "prefill", "qlora"))
     and r["llm_jax"]["load"]["param_bytes"] == r["param_bytes_predicted"],
 }
-EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf"]}
+EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf", "--mxfp4"]}
 
 
 @pytest.mark.parametrize("command", list(EXPECTED))
