@@ -46,8 +46,8 @@ from llm_jax.model.experts import (
     unsort,
 )
 from llm_jax.model.matmul import einsum
-from llm_jax.model.moe_parallel import moe_expert_parallel, moe_gmm
-from llm_jax.model.mxfp4 import PackedExperts
+from llm_jax.model.moe_parallel import experts_per_unpack, moe_expert_parallel, moe_gmm
+from llm_jax.model.mxfp4 import PackedExperts, dense
 from llm_jax.model.select import auto_moe
 from llm_jax.parallel.sharding import constrain
 from llm_jax.runtime.backend import backend
@@ -91,11 +91,21 @@ def moe_gather(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float
     return combine(y.reshape(t, k, d), routing.weights_Tk)
 
 
-def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
+def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float,
+                unpack_mib: int = 0) -> jax.Array:
     """Dropless block-sparse dispatch (after MegaBlocks, Gale et al. 2022): assignments sorted by
     expert, each expert's run padded to a multiple of `block` rows, then one small matmul per
     block with its expert's weights. G = ceil(A / block) + E statically bounds the blocks used,
-    sum_e ceil(c_e / block)."""
+    sum_e ceil(c_e / block).
+
+    A packed stack whose dense form fits in `unpack_mib` MiB (0: any) is unpacked once, before
+    the blocks: there are up to G > E of them, and each would unpack its expert again (the tiny
+    config's 128-token prefill: 48 unpacks a layer for 16 experts). A larger one (gpt-oss-20b's
+    is 1.06 GB) is unpacked a block's expert at a time."""
+    w = w._replace(**{name: dense(stack) for name, stack in
+                      (("gate_up_EDF2", w.gate_up_EDF2), ("down_EFD", w.down_EFD))
+                      if isinstance(stack, PackedExperts)
+                      and experts_per_unpack(stack, unpack_mib) == stack.shape[0]})
     t, d = x_TD.shape
     k = routing.experts_Tk.shape[1]
     e = w.gate_up_EDF2.shape[0]
@@ -193,6 +203,11 @@ def _gmm(x, r, w, cfg):
             jnp.zeros((), jnp.float32))
 
 
+def _blocked(x, r, w, cfg):
+    return (moe_blocked(x, r, w, cfg.swiglu_limit, unpack_mib=cfg.mxfp4_unpack_mib),
+            jnp.zeros((), jnp.float32))
+
+
 def _capacity(x, r, w, cfg):
     return moe_capacity(x, r, w, cfg.swiglu_limit, capacity(x.shape[0], cfg))
 
@@ -221,7 +236,7 @@ DISPATCHES: dict[str, Dispatch] = {
     "dense": Dispatch(_no_drops(moe_dense), drops=False),
     "ragged": Dispatch(_no_drops(moe_ragged), drops=False),
     "gather": Dispatch(_no_drops(moe_gather), drops=False),
-    "blocked": Dispatch(_no_drops(moe_blocked), drops=False),
+    "blocked": Dispatch(_blocked, drops=False),
     "gmm": Dispatch(_gmm, drops=False),
     "capacity": Dispatch(_capacity, drops=True),
     "expert_parallel": Dispatch(_expert_parallel, drops=True),

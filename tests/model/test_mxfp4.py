@@ -56,16 +56,17 @@ def test_model_layout_holds_the_checkpoint_codes_and_gives_its_bytes_back():
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 def test_unpack_equals_host_dequantization_bitwise_for_every_byte_and_scale(dtype):
     # Every byte value in every position, under scales from the smallest whose values are all
-    # normal floats (2: 0.5 * 2^-125) to the largest finite one (254). Scales 0 and 1 make
-    # float32 subnormals, which XLA flushes to zero in any computation (packed or dense).
-    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (9, 1, 1))  # [9, 16, 16]
-    scales = np.repeat(np.array([2, 3, 100, 126, 127, 128, 140, 200, 254], np.uint8),
-                       16).reshape(9, 16)
+    # normal floats (2: 0.5 * 2^-125) to the largest (255: 0.5 * 2^128 is finite, 1 * 2^128
+    # is not). Scales 0 and 1 make float32 subnormals, which XLA flushes to zero in any
+    # computation (packed or dense).
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (10, 1, 1))  # [10, 16, 16]
+    scales = np.repeat(np.array([2, 3, 100, 126, 127, 128, 140, 200, 254, 255], np.uint8),
+                       16).reshape(10, 16)
     with np.errstate(over="ignore"):  # 6 * 2^127 is past float32's range: inf on both sides
         want = np.ascontiguousarray(dequantize_mxfp4(blocks, scales).astype(dtype).T)  # [in, out]
     got = np.asarray(jax.jit(unpack, static_argnums=2)(*to_model_layout(blocks, scales),
                                                        jnp.dtype(dtype)))
-    assert got.dtype == np.dtype(dtype) and got.shape == (512, 9)
+    assert got.dtype == np.dtype(dtype) and got.shape == (512, 10)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
@@ -192,6 +193,26 @@ def test_kernel_dispatches_unpack_a_group_of_experts_at_a_time(dispatch):
     assert "8x512x1024xf32" not in text and "8x512x512xf32" not in text
     assert experts_per_unpack(packed.expert_weights().gate_up_EDF2, 0) == 8  # 0: all at once
     assert experts_per_unpack(packed.expert_weights().gate_up_EDF2, 5) == 2  # divides E = 8
+
+
+@pytest.mark.parametrize("unpack_mib", [0, 12, 2])
+def test_blocked_unpacks_a_stack_that_fits_once_and_a_larger_one_block_by_block(unpack_mib):
+    # 8 experts of 512 x 1024 float32 (gate-up, 16 MiB in all) and 512 x 512 (down, 8 MiB):
+    # with no limit or 12 MiB, a stack that fits is unpacked whole before the blocks; past the
+    # limit, each block unpacks its one expert. The layer equals the dequantized one either way.
+    cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3,
+                              moe_dispatch="blocked", mxfp4_unpack_mib=unpack_mib)
+    packed, dense_layer = _layers(cfg, seed=4)
+    x = jax.random.normal(jax.random.key(4), (2, 20, cfg.hidden_size))
+    ct = jax.random.normal(jax.random.key(8), x.shape)
+    y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct)
+    y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct)
+    _assert_close(y_p, y_d)
+    _assert_close(gx_p, gx_d)
+    graphdef, state = nnx.split(packed)
+    text = jax.jit(lambda x, s: nnx.merge(graphdef, s)(x)[0]).lower(x, state).as_text()
+    assert ("8x512x1024xf32" in text) == (unpack_mib == 0)
+    assert ("8x512x512xf32" in text) == (unpack_mib in (0, 12))
 
 
 def test_gather_unpacks_only_the_chosen_experts():
