@@ -172,6 +172,20 @@ def test_packed_layer_equals_dequantized_layer_outputs_and_input_gradients(dispa
     _assert_close(gx_p, gx_d)
 
 
+def _packed_equals_dequantized_lowered(cfg: ModelConfig, seed: int) -> tuple[MoE, str]:
+    """Asserts the packed layer's outputs and input gradients equal the dequantized layer's on a
+    [2, 20] batch; returns the packed layer and the text of its lowered forward pass."""
+    packed, dense_layer = _layers(cfg, seed=seed)
+    x = jax.random.normal(jax.random.key(seed), (2, 20, cfg.hidden_size))
+    ct = jax.random.normal(jax.random.key(seed + 1), x.shape)
+    y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct)
+    y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct)
+    _assert_close(y_p, y_d)
+    _assert_close(gx_p, gx_d)
+    graphdef, state = nnx.split(packed)
+    return packed, jax.jit(lambda x, s: nnx.merge(graphdef, s)(x)[0]).lower(x, state).as_text()
+
+
 @pytest.mark.parametrize("dispatch", ["gmm", "expert_parallel_gmm"])
 def test_kernel_dispatches_unpack_a_group_of_experts_at_a_time(dispatch):
     # 512 x 1024 float32 gate-up experts are 2 MiB each, the down ones 1 MiB: with 2 MiB groups
@@ -180,15 +194,7 @@ def test_kernel_dispatches_unpack_a_group_of_experts_at_a_time(dispatch):
     cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3,
                               moe_dispatch=dispatch, moe_capacity_factor=8 / 3,
                               mxfp4_unpack_mib=2)
-    packed, dense_layer = _layers(cfg, seed=5)
-    x = jax.random.normal(jax.random.key(5), (2, 20, cfg.hidden_size))
-    ct = jax.random.normal(jax.random.key(6), x.shape)
-    y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct)
-    y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct)
-    _assert_close(y_p, y_d)
-    _assert_close(gx_p, gx_d)
-    graphdef, state = nnx.split(packed)
-    text = jax.jit(lambda x, s: nnx.merge(graphdef, s)(x)[0]).lower(x, state).as_text()
+    packed, text = _packed_equals_dequantized_lowered(cfg, seed=5)
     assert "1x512x1024xf32" in text and "2x512x512xf32" in text
     assert "8x512x1024xf32" not in text and "8x512x512xf32" not in text
     assert experts_per_unpack(packed.expert_weights().gate_up_EDF2, 0) == 8  # 0: all at once
@@ -202,15 +208,7 @@ def test_blocked_unpacks_a_stack_that_fits_once_and_a_larger_one_block_by_block(
     # limit, each block unpacks its one expert. The layer equals the dequantized one either way.
     cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3,
                               moe_dispatch="blocked", mxfp4_unpack_mib=unpack_mib)
-    packed, dense_layer = _layers(cfg, seed=4)
-    x = jax.random.normal(jax.random.key(4), (2, 20, cfg.hidden_size))
-    ct = jax.random.normal(jax.random.key(8), x.shape)
-    y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct)
-    y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct)
-    _assert_close(y_p, y_d)
-    _assert_close(gx_p, gx_d)
-    graphdef, state = nnx.split(packed)
-    text = jax.jit(lambda x, s: nnx.merge(graphdef, s)(x)[0]).lower(x, state).as_text()
+    _, text = _packed_equals_dequantized_lowered(cfg, seed=4)
     assert ("8x512x1024xf32" in text) == (unpack_mib == 0)
     assert ("8x512x512xf32" in text) == (unpack_mib in (0, 12))
 
