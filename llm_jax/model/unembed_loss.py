@@ -110,8 +110,18 @@ def _chunk_nll(h_BcD: jax.Array, w_VD: jax.Array, targets_Bc: jax.Array,
     return logits_BcV, lse_Bc, lse_Bc - target_Bc
 
 
+def _after(carry: Any, xs: Any) -> tuple[Any, Any]:
+    """(carry, xs) tied by an optimization barrier: a chunk starts once the previous one has
+    finished. Unrolled, the chunks are independent but for the carry, and XLA:TPU ran them side
+    by side: 3.0 chunks of float32 logits live at once in a 4-chunk loss (1.0 with the
+    barrier); gpt-oss-20b's 2-layer train step on v5p-32 at 8,192 tokens per chip held 15.58
+    GiB of temporaries, 13.17 with it, for +0.3 % bytes (docs/scaling.md)."""
+    return jax.lax.optimization_barrier((carry, xs))
+
+
 def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
     def body(total, xs):
+        total, xs = _after(total, xs)
         h, tgt, wt = xs
         _, _, nll = _chunk_nll(h, w_VD, tgt, dtype)
         return total + jnp.sum(wt * nll), None
@@ -129,6 +139,7 @@ def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
     w_cdt = w_VD.astype(dtype)
 
     def body(carry, xs):
+        carry, xs = _after(carry, xs)
         total, dw_VD = carry
         h, tgt, wt = xs
         logits_BcV, lse_Bc, nll_Bc = _chunk_nll(h, w_VD, tgt, dtype)

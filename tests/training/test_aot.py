@@ -141,3 +141,31 @@ print(json.dumps({"args": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes
     experts = 3 * 8 * 3 * 2048 * 2048 * 4.25 / 8 / 4
     assert 0.9 * experts < r["args"] < 1.3 * experts, r
     assert r["temp"] < 0.5 * r["args"], r
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
+                    "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
+def test_fused_loss_holds_one_chunk_of_logits_at_a_time_on_tpu():
+    # The unrolled chunks of the fused loss are independent but for their carry; XLA:TPU ran
+    # them side by side (3.0 chunks of float32 logits live at once in 4) until each chunk was
+    # tied to the previous one's carry (model.unembed_loss._after).
+    code = """
+import json, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from llm_jax.model.unembed_loss import cross_entropy_sum
+from llm_jax.training import aot
+from llm_jax.parallel.sharding import make_mesh
+rep = NamedSharding(make_mesh({"data": 1}, aot.tpu_devices("v5e-1")), P())
+b, t, d, v = 1, 4096, 256, 32768
+f = lambda h, w, y: cross_entropy_sum(h, w, y, dtype=jnp.bfloat16, chunk_tokens=1024)
+spec = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=rep)
+c = jax.jit(jax.grad(f, argnums=(0, 1))).lower(
+    spec((b, t, d), jnp.bfloat16), spec((v, d), jnp.bfloat16), spec((b, t), jnp.int32)).compile()
+print(json.dumps({"chunks": c.memory_analysis().temp_size_in_bytes / (1024 * v * 4)}))
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    chunks = json.loads(proc.stdout.strip().splitlines()[-1])["chunks"]
+    assert chunks < 1.5, f"{chunks:.2f} chunks of float32 logits live at once"
