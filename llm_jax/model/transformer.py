@@ -179,8 +179,9 @@ def _layer_slice(layer_state: nnx.State, i: int, after: jax.Array | None) -> nnx
     slices are loop-invariant, and while-loop invariant code motion hoists them out of the loop
     as copies: every layer's weights a second time, live for the whole loop (docs/scaling.md).
     In a sharded program (gpt-oss-120b on v5e-8) libtpu dropped the barrier before that pass
-    ran, so the inference programs of XLA:TPU and XLA:CPU compile without the pass (`runtime.backend.INFERENCE_OPTIONS`); the barrier stays
-    for XLA:GPU, which keeps LICM (its programs were not measured)."""
+    ran, so the inference programs of XLA:TPU and XLA:CPU compile without the pass
+    (`runtime.backend.INFERENCE_OPTIONS`); the barrier stays for XLA:GPU, which keeps the pass
+    (its programs were not measured)."""
     if after is not None:
         i, _ = jax.lax.optimization_barrier((jnp.asarray(i, jnp.int32), after))
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),

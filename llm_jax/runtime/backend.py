@@ -28,21 +28,20 @@ import jax
 #   docs/benchmarks.md, issue 29).
 # The tiny config decodes as fast with both; its train step was 3-5 % slower with the scheduler,
 # so training keeps XLA's defaults.
-CPU_INFERENCE_OPTIONS = {
-    "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-    "xla_disable_hlo_passes": "while-loop-invariant-code-motion",
-}
+NO_LOOP_INVARIANT_CODE_MOTION = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+CPU_INFERENCE_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+                         **NO_LOOP_INVARIANT_CODE_MOTION}
 # XLA:TPU: no while-loop invariant code motion either. A decode step takes each layer's slice of
 # the stacked weights with a constant index; in a sharded program libtpu dropped the
 # optimization barrier that ties the index to the layer's input
 # (`model.transformer._layer_slice`) before that pass ran (72 barriers before optimization,
-# none after), so the pass hoisted the slices out of the decode loop as copies: a second copy of most layers'
-# packed experts, live for the whole loop. gpt-oss-120b's generate (prompt 4096) on v5e-8
-# needed 16.60 GB of 15.75 and compiles in 14.97 GiB without the pass; gpt-oss-20b on v5e-1
-# needs 15.75 GiB either way. Training keeps the defaults; GPU keeps them too (not measured).
-TPU_INFERENCE_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+# none after), so the pass hoisted the slices out of the decode loop as copies: a second copy
+# of most layers' packed experts, live for the whole loop. gpt-oss-120b's generate (prompt
+# 4096) on v5e-8 needed 16.60 GB of 15.75 and compiles in 14.97 GiB without the pass;
+# gpt-oss-20b on v5e-1 needs 15.75 GiB either way. Training keeps the defaults; GPU keeps them
+# too (not measured).
 INFERENCE_OPTIONS: dict[str, dict[str, str]] = {"cpu": CPU_INFERENCE_OPTIONS,
-                                                "tpu": TPU_INFERENCE_OPTIONS}
+                                                "tpu": NO_LOOP_INVARIANT_CODE_MOTION}
 
 # The platform being traced for, set only inside `compiling_for` (ahead-of-time compilation for
 # other hardware); a context variable, so concurrent threads tracing for different targets

@@ -21,6 +21,8 @@ TINY = ["--config.model.num_hidden_layers=2", "--config.model.num_experts=8",
         "--config.model.head_dim=16", "--config.model.vocab_size=256", "--seq_len=32",
         "--batch=8"]
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+NEEDS_LIBTPU = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
+                                  "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
 
 
 def cli(*args, xla_flags=""):
@@ -28,6 +30,16 @@ def cli(*args, xla_flags=""):
     return subprocess.run([sys.executable, "-m", "llm_jax.compile", "--config",
                            str(ROOT / "configs/tiny.py"), *TINY, *args, "--json"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_json(code: str) -> dict:
+    """Runs `code` in a fresh CPU-only interpreter (libtpu's compile-only devices) and returns
+    the JSON of its last line."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_topology_names_follow_cloud_tpu_accelerator_types():
@@ -41,8 +53,7 @@ def test_topology_names_follow_cloud_tpu_accelerator_types():
         aot.topology_name("h100-8")
 
 
-@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
-                    "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
+@NEEDS_LIBTPU
 def test_train_step_compiles_for_a_tpu_topology_and_reports_memory():
     out = cli("--topology", "v5e-4", "--mesh", "fsdp=2,expert=2",
               "--config.model.moe_dispatch=expert_parallel")
@@ -77,8 +88,7 @@ def test_bad_mesh_for_the_topology_names_both_numbers():
     assert "multiply to 3, but there are 8 devices" in out.stderr
 
 
-@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
-                    "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
+@NEEDS_LIBTPU
 def test_sharded_generation_compiles_for_a_tpu_topology():
     # Prefill runs splash attention and the grouped-matmul MoE (Pallas): on a mesh of several
     # chips they must be traced under it (shard_map) or the program does not compile.
@@ -97,17 +107,11 @@ for sizes in ({"data": 2, "tensor": 2}, {"fsdp": 2, "expert": 2}):
     out[str(sizes)] = compiled.as_text().count("tpu_custom_call")
 print(json.dumps(out))
 """
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    kernels = run_json(code)
     assert len(kernels) == 2 and all(n > 0 for n in kernels.values()), kernels
 
 
-
-@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
-                    "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
+@NEEDS_LIBTPU
 def test_sharded_decode_loop_keeps_no_copy_of_the_layer_weights():
     # A decode step slices each layer's weights out of the stack with a constant index. In a
     # sharded program libtpu dropped the optimization barrier that ties the index to the layer's
@@ -131,11 +135,7 @@ compiled = aot.compile_generate(cfg, mesh, batch=1, prompt_len=256, new_tokens=1
 m = compiled.memory_analysis()
 print(json.dumps({"args": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes}))
 """
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = run_json(code)
     # Per chip the arguments are almost all packed experts: a quarter of 3 layers' 8 experts
     # of 3 x 2048 x 2048 values, 4.25 bits each (E2M1 + one 8-bit scale per 32).
     experts = 3 * 8 * 3 * 2048 * 2048 * 4.25 / 8 / 4
@@ -143,8 +143,7 @@ print(json.dumps({"args": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes
     assert r["temp"] < 0.5 * r["args"], r
 
 
-@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
-                    "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
+@NEEDS_LIBTPU
 def test_fused_loss_holds_one_chunk_of_logits_at_a_time_on_tpu():
     # The unrolled chunks of the fused loss are independent but for their carry; XLA:TPU ran
     # them side by side (3.0 chunks of float32 logits live at once in 4) until each chunk was
@@ -163,9 +162,5 @@ c = jax.jit(jax.grad(f, argnums=(0, 1))).lower(
     spec((b, t, d), jnp.bfloat16), spec((v, d), jnp.bfloat16), spec((b, t), jnp.int32)).compile()
 print(json.dumps({"chunks": c.memory_analysis().temp_size_in_bytes / (1024 * v * 4)}))
 """
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    chunks = json.loads(proc.stdout.strip().splitlines()[-1])["chunks"]
+    chunks = run_json(code)["chunks"]
     assert chunks < 1.5, f"{chunks:.2f} chunks of float32 logits live at once"
