@@ -123,15 +123,25 @@ class Sorted(NamedTuple):
     """Assignments sorted by expert (stable: token order within an expert)."""
 
     order_A: jax.Array  # int32 position in (token, choice) order of each sorted assignment
+    inverse_A: jax.Array  # int32 sorted position of each assignment in (token, choice) order
     experts_A: jax.Array  # int32 expert of each sorted assignment
     group_sizes_E: jax.Array  # int32 assignments per expert
+
+    def rows(self, x_TD: jax.Array) -> jax.Array:
+        """Each assignment's token row, in sorted order: [T, D] -> [T k, D]."""
+        k = self.order_A.shape[0] // x_TD.shape[0]
+        return take_rows(x_TD, self.order_A, self.inverse_A, k)
+
+    def unsort(self, y_AD: jax.Array) -> jax.Array:
+        """Rows in sorted order back to (token, choice) order."""
+        return take_rows(y_AD, self.inverse_A, self.order_A)
 
 
 def sort_by_expert(experts_Tk: jax.Array, num_experts: int) -> Sorted:
     """The expert-major order of the T k assignments, and each expert's group size."""
     experts_A = experts_Tk.reshape(-1)
     order_A = jnp.argsort(experts_A, stable=True)
-    return Sorted(order_A, experts_A[order_A],
+    return Sorted(order_A, inverse_permutation(order_A), experts_A[order_A],
                   jnp.bincount(experts_A, length=num_experts).astype(jnp.int32))
 
 
@@ -140,30 +150,39 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
-@jax.custom_vjp
-def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
-    """x[order] for a permutation `order` (and its `inverse`), whose gradient is the gather
-    g[inverse]: neither direction scatters rows. XLA:TPU lowers a row scatter of bfloat16 through
-    32-bit copies of the whole buffer ([R, D] u32), and a gather's own transpose is a
-    scatter-add."""
-    return x[order]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array, repeats: int = 1) -> jax.Array:
+    """Rows `index` of x with each row repeated `repeats` times (row r of the repeated array is
+    x[r // repeats]); an index past the end gives a zero row. `index` must not take a repeated
+    row twice, and `inverse` is its inverse: inverse[r] = the position in `index` of repeated
+    row r, or past the end where none takes it.
+
+    Every move of rows in the MoE dispatches is one of these: sorting assignments by expert
+    (x = tokens, repeats = k), packing them into the send buffer (empty slots past the end),
+    the combine's way back (dropped assignments past the end). The gradient is the gather
+    g[inverse] summed over each row's repeats: neither direction scatters rows. XLA:TPU lowers
+    a row scatter of bfloat16 through 32-bit copies of the whole buffer ([R, D] u32), and a
+    gather's own transpose is a scatter-add."""
+    return _take(x, index, repeats)
 
 
-def _permute_rows_fwd(x, order, inverse):
-    return x[order], (order, inverse)
+def _take(x, index, repeats):
+    return jnp.take(x, index // repeats, axis=0, mode="fill", fill_value=0)
 
 
-def _permute_rows_bwd(res, g):
-    order, inverse = res
-    return g[inverse], None, None
+def _take_rows_fwd(x, index, inverse, repeats):
+    return _take(x, index, repeats), (index, inverse)
 
 
-permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+def _take_rows_bwd(repeats, res, g):
+    index, inverse = res
+    g_x = jnp.take(g, inverse, axis=0, mode="fill", fill_value=0)
+    if repeats > 1:
+        g_x = g_x.reshape(-1, repeats, *g_x.shape[1:]).sum(1, dtype=jnp.float32).astype(g.dtype)
+    return g_x, None, None
 
 
-def unsort(y_AD: jax.Array, order_A: jax.Array) -> jax.Array:
-    """Rows in sorted order back to (token, choice) order."""
-    return jnp.zeros_like(y_AD).at[order_A].set(y_AD)
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def combine(y_TkD: jax.Array, weights_Tk: jax.Array) -> jax.Array:

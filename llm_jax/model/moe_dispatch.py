@@ -43,7 +43,6 @@ from llm_jax.model.experts import (
     expert_einsum,
     sort_by_expert,
     swiglu,
-    unsort,
 )
 from llm_jax.model.matmul import einsum
 from llm_jax.model.moe_parallel import experts_per_unpack, moe_expert_parallel, moe_gmm
@@ -68,11 +67,11 @@ def moe_ragged(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float
     t, d = x_TD.shape
     k = routing.experts_Tk.shape[1]
     s = sort_by_expert(routing.experts_Tk, w.gate_up_EDF2.shape[0])
-    x_AD = x_TD[s.order_A // k]
+    x_AD = s.rows(x_TD)
     h = jax.lax.ragged_dot(x_AD, w.gate_up_EDF2, s.group_sizes_E) + w.gate_up_bias_EF2[s.experts_A]
     y_AD = jax.lax.ragged_dot(swiglu(h, limit), w.down_EFD, s.group_sizes_E) \
         + w.down_bias_ED[s.experts_A]
-    return combine(unsort(y_AD, s.order_A).reshape(t, k, d), routing.weights_Tk)
+    return combine(s.unsort(y_AD).reshape(t, k, d), routing.weights_Tk)
 
 
 def moe_gather(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
@@ -112,13 +111,14 @@ def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: floa
     a = t * k
     block = int(min(256, max(8, 1 << max(0, (a // (2 * e)).bit_length() - 1))))  # pad <= ~A/2
     n_blocks = -(-a // block) + e
-    order_A, sorted_experts, counts_E = sort_by_expert(routing.experts_Tk, e)
+    s = sort_by_expert(routing.experts_Tk, e)
+    sorted_experts, counts_E = s.experts_A, s.group_sizes_E
     blocks_E = (counts_E + block - 1) // block
     block_end_E = jnp.cumsum(blocks_E)
     first_sorted_E = jnp.cumsum(counts_E) - counts_E
     rank = jnp.arange(a, dtype=jnp.int32) - first_sorted_E[sorted_experts]
     slot_sorted = (block_end_E - blocks_E)[sorted_experts] * block + rank
-    slot_A = jnp.zeros((a,), jnp.int32).at[order_A].set(slot_sorted)  # (token, choice) order
+    slot_A = slot_sorted[s.inverse_A]  # (token, choice) order
     # Unused slots read row t, a zero row; unused blocks run expert E-1 on zeros, never read.
     token_of_slot = jnp.full((n_blocks * block,), t, jnp.int32).at[slot_A].set(
         jnp.arange(a, dtype=jnp.int32) // k)

@@ -50,12 +50,10 @@ from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
     combine,
-    inverse_permutation,
-    permute_rows,
     sort_by_expert,
     stack_spec,
     swiglu,
-    unsort,
+    take_rows,
 )
 from llm_jax.model.mxfp4 import ExpertStack, PackedExperts, dense
 from llm_jax.parallel.sharding import RULES, mesh_axes
@@ -113,20 +111,25 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     el = w1_EDF.shape[0]
-    e_A = experts_Tk.reshape(-1)  # token-major: assignment a = token a // k, choice a % k
-    a = e_A.shape[0]
+    a = t * k
     c = slots_per_pair(a, n, factor)
 
-    # 1-2. Sort by expert, pack per destination device.
-    order_A = jnp.argsort(e_A, stable=True)
-    e_sorted = e_A[order_A]
-    dst = e_sorted // el
-    counts_n = jnp.bincount(dst, length=n)
-    slot = jnp.arange(a) - (jnp.cumsum(counts_n) - counts_n)[dst]
-    kept = slot < c
-    flat = jnp.where(kept, dst * c + slot, n * c)  # n * c: out of range, dropped by the scatter
-    x_send = jnp.zeros((n * c, d), x_TD.dtype).at[flat].set(x_TD[order_A // k], mode="drop")
-    e_send = jnp.full((n * c,), el, jnp.int32).at[flat].set(e_sorted - dst * el, mode="drop")
+    # 1-2. Sort by expert, pack per destination device: sorted assignment i goes to slot
+    # dst * C + its rank among the assignments to dst, if that rank is < C. Both ways between
+    # assignments and slots are index maps (`take_rows`): no rows are scattered.
+    s = sort_by_expert(experts_Tk, n * el)
+    dst = s.experts_A // el
+    counts_n = s.group_sizes_E.reshape(n, el).sum(1)
+    starts_n = jnp.cumsum(counts_n) - counts_n
+    rank = jnp.arange(a) - starts_n[dst]
+    kept = rank < c
+    slot_A = jnp.where(kept, dst * c + rank, n * c)[s.inverse_A]  # n * c: dropped
+    slot_dst, slot_rank = jnp.divmod(jnp.arange(n * c), c)
+    filled = slot_rank < counts_n[slot_dst]
+    sorted_of_slot = jnp.where(filled, starts_n[slot_dst] + slot_rank, 0)
+    assignment_of_slot = jnp.where(filled, s.order_A[sorted_of_slot], a)  # a: empty slot
+    x_send = take_rows(x_TD, assignment_of_slot, slot_A, k)
+    e_send = jnp.where(filled, s.experts_A[sorted_of_slot] - slot_dst * el, el)
 
     # 3. Exchange: chunk j of the send buffer goes to device j; chunk i received is from i.
     if expert_axes:
@@ -136,25 +139,20 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
         x_recv, e_recv = x_send, e_send
 
     # 4. Grouped matmul over the local experts; empty rows (id el) join the last group, masked.
-    order_R = jnp.argsort(e_recv, stable=True)
-    inv_R = inverse_permutation(order_R)
-    e_R = e_recv[order_R]
-    sizes = jnp.bincount(e_R, length=el + 1).astype(jnp.int32)
-    sizes = sizes[:el].at[el - 1].add(sizes[el])
-    ge = jnp.minimum(e_R, el - 1)
+    r = sort_by_expert(e_recv, el + 1)
+    sizes = r.group_sizes_E[:el].at[el - 1].add(r.group_sizes_E[el])
+    ge = jnp.minimum(r.experts_A, el - 1)
     grouped = functools.partial(grouped_experts, grouped=grouped, unpack_mib=unpack_mib)
-    h = grouped(permute_rows(x_recv, order_R, inv_R), w1_EDF, sizes) + b1_EF[ge]
+    h = grouped(r.rows(x_recv), w1_EDF, sizes) + b1_EF[ge]
     y = grouped(swiglu(h, limit), w2_EFD, sizes)
     if mlp_axes:  # each device computed its slice of F: sum the partial outputs
         y = jax.lax.psum(y, mlp_axes)
-    y = jnp.where((e_R < el)[:, None], y + b2_ED[ge], 0.0)
-    y_recv = permute_rows(y, inv_R, order_R)  # back to arrival order
+    y = jnp.where((r.experts_A < el)[:, None], y + b2_ED[ge], 0.0)
+    y_recv = r.unsort(y)  # back to arrival order
 
-    # 5. Back to the sources, into each assignment's slot, then the weighted combine.
+    # 5. Back to the sources, each assignment from its slot (a dropped one: zeros), combined.
     y_back = jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True) if expert_axes else y_recv
-    y_sorted = jnp.where(kept[:, None], y_back[jnp.minimum(flat, n * c - 1)], 0.0)
-    y_A = permute_rows(y_sorted, inverse_permutation(order_A), order_A)
-    y_TD = combine(y_A.reshape(t, k, d), weights_Tk)
+    y_TD = combine(take_rows(y_back, slot_A, assignment_of_slot).reshape(t, k, d), weights_Tk)
     dropped = jnp.sum(~kept).astype(jnp.float32)
     if batch_axes:
         dropped = jax.lax.psum(dropped, batch_axes)
@@ -223,12 +221,12 @@ def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, in
     grouped = functools.partial(
         grouped_experts, unpack_mib=unpack_mib,
         grouped=functools.partial(grouped_matmul, kernel=kernel, interpret=interpret))
-    h_AF2 = grouped(x_TD[s.order_A // k], w1, s.group_sizes_E) + b1[s.experts_A]
+    h_AF2 = grouped(s.rows(x_TD), w1, s.group_sizes_E) + b1[s.experts_A]
     y_AD = grouped(swiglu(h_AF2, limit), w2, s.group_sizes_E)
     if mlp_axes:
         y_AD = jax.lax.psum(y_AD, mlp_axes)
     y_AD = y_AD + b2[s.experts_A]
-    return combine(unsort(y_AD, s.order_A).reshape(t, k, d), weights_Tk)
+    return combine(s.unsort(y_AD).reshape(t, k, d), weights_Tk)
 
 
 def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *,

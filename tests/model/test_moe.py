@@ -231,15 +231,52 @@ def test_swiglu_gradient_matches_closed_form_across_the_clamps(dtype, rtol):
 
 
 def test_permute_rows_matches_indexing_in_value_and_gradient():
-    from llm_jax.model.experts import inverse_permutation, permute_rows
+    from llm_jax.model.experts import inverse_permutation, take_rows
 
     x = jax.random.normal(jax.random.key(0), (7, 3))
     order = jax.random.permutation(jax.random.key(1), 7)
     inv = inverse_permutation(order)
     np.testing.assert_array_equal(np.asarray(inv[order]), np.arange(7))
     w = jax.random.normal(jax.random.key(2), (7, 3))
-    f = lambda x: jnp.sum(w * permute_rows(x, order, inv) ** 2)  # noqa: E731
+    f = lambda x: jnp.sum(w * take_rows(x, order, inv) ** 2)  # noqa: E731
     ref = lambda x: jnp.sum(w * x[order] ** 2)  # noqa: E731
-    np.testing.assert_array_equal(np.asarray(permute_rows(x, order, inv)), np.asarray(x[order]))
+    np.testing.assert_array_equal(np.asarray(take_rows(x, order, inv)), np.asarray(x[order]))
     np.testing.assert_allclose(np.asarray(jax.grad(f)(x)), np.asarray(jax.grad(ref)(x)),
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_take_rows_with_repeats_empty_and_dropped_rows_against_numpy(repeats):
+    """The send buffer's map: T tokens each repeated k times, some repeated rows dropped (no
+    slot), some slots empty (index past the end). Value and gradient against NumPy: the
+    gradient of x is the sum over each token's kept repeats of its slots' cotangents."""
+    from llm_jax.model.experts import take_rows
+
+    rng = np.random.default_rng(repeats)
+    t, d, slots = 6, 4, 20
+    a = t * repeats
+    kept = rng.permutation(a)[: a - 2]  # two repeated rows dropped
+    slot_of = np.full(a, slots)  # past the end: dropped
+    slot_of[kept] = rng.choice(slots, size=kept.size, replace=False)
+    index = np.full(slots, a)  # past the end: empty slot
+    index[slot_of[kept]] = kept
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    g = rng.standard_normal((slots, d)).astype(np.float32)
+    y_ref = np.where((index < a)[:, None], np.repeat(x, repeats, 0)[np.minimum(index, a - 1)], 0)
+    gx_ref = np.zeros((a, d), np.float32)
+    gx_ref[kept] = g[slot_of[kept]]
+    gx_ref = gx_ref.reshape(t, repeats, d).sum(1)
+    fn = lambda x: take_rows(x, jnp.asarray(index), jnp.asarray(slot_of), repeats)  # noqa: E731
+    y, vjp = jax.vjp(fn, jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(y), y_ref)
+    np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(g))[0]), gx_ref, rtol=1e-6, atol=1e-6)
+    # and the way back: the slots' rows to the repeated rows, the transpose of the map above
+    back = lambda ys: take_rows(ys, jnp.asarray(slot_of), jnp.asarray(index))  # noqa: E731
+    z, vjp_back = jax.vjp(back, jnp.asarray(g))
+    z_ref = np.where((slot_of < slots)[:, None], g[np.minimum(slot_of, slots - 1)], 0)
+    np.testing.assert_array_equal(np.asarray(z), z_ref)
+    h = rng.standard_normal((a, d)).astype(np.float32)
+    gs_ref = np.where((index < a)[:, None], h[np.minimum(index, a - 1)], 0)
+    np.testing.assert_array_equal(np.asarray(vjp_back(jnp.asarray(h))[0]), gs_ref)
+
+
