@@ -28,7 +28,8 @@ EXPERT_FORMATS = ("dense", "mxfp4")
 NORM_TYPES = ("rms", "layer")
 # How the same function is executed: changing them never changes a result, so a run may resume
 # with other values.
-EXECUTION_FIELDS = ("remat", "scan_layers", "attention_impl", "loss_chunk_tokens")
+EXECUTION_FIELDS = ("remat", "scan_layers", "attention_impl", "loss_chunk_tokens", "gmm_tile_m",
+                    "gmm_tile_k", "gmm_tile_n")
 
 # Fixed by the gpt-oss reference, not design decisions (docs/model.md).
 RMS_NORM_EPS = 1e-5
@@ -74,6 +75,12 @@ class ModelConfig:
     # time, each group's unpacked stack at most this many MiB (at least one expert); 0 = a
     # layer's whole stack at once.
     mxfp4_unpack_mib: int = 256
+    # megablox's tiles (TPU grouped matmuls: gmm, expert_parallel_gmm): rows, contracted lanes
+    # and output lanes of one block, multiples of 128 (kernels/grouped_matmul.py: each row tile
+    # re-reads its expert's weights, each output tile the rows). The GPU kernel picks its own.
+    gmm_tile_m: int = 1024
+    gmm_tile_k: int = 512
+    gmm_tile_n: int = 1024
     # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel*) apply only to
     # training calls (`train=True`); every other call computes the exact function.
     moe_dispatch: str = "auto"
@@ -130,6 +137,9 @@ class ModelConfig:
             )
         if self.sliding_window < 0:
             bad("sliding_window", "0 (off) or a positive window length")
+        for name in ("gmm_tile_m", "gmm_tile_k", "gmm_tile_n"):
+            if getattr(self, name) <= 0 or getattr(self, name) % 128:
+                bad(name, "a positive multiple of 128 (TPU lanes)")
         if self.mxfp4_unpack_mib < 0:
             bad("mxfp4_unpack_mib", "0 (a whole layer at once) or a positive size in MiB")
         for name in ("rope_theta", "rope_ntk_alpha", "rope_ntk_beta", "swiglu_limit",

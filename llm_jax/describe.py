@@ -96,6 +96,11 @@ FIELD_DOCS: dict[str, str] = {
     "mxfp4_unpack_mib": "gmm dispatches over packed experts: unpack a layer's experts in "
                         "groups of at most this many MiB (0 = all at once), bounding the "
                         "unpacked weights held at a time",
+    "gmm_tile_m": "megablox (TPU grouped matmul) rows per tile: each row tile re-reads its "
+                  "expert's weights",
+    "gmm_tile_k": "megablox contracted lanes per tile (with m and n, bounded by the kernel's "
+                  "scoped VMEM)",
+    "gmm_tile_n": "megablox output lanes per tile: each output tile re-reads the rows",
     "moe_capacity_factor": "dropping dispatches: slots per expert = factor x T k / E; runs "
                            "factor x the expert FLOPs, drops overflow",
     "prms_fraction": "pRMSNorm: estimate the RMS from this fraction of features (0 = full "

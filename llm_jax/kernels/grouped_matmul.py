@@ -18,24 +18,31 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm
 
 from llm_jax.kernels import gmm_gpu
 
-ROW_TILE = 512
 LANES = 128
+# megablox's (tm, tk, tn) by default (ModelConfig.gmm_tile_m / _k / _n). Each row tile reads its
+# expert's whole [K, N] weight and each of the N / tn column tiles reads the rows again, so the
+# bytes of one call are about x (N / tn) + (M / tm + E) w_expert + y (megablox's own cost
+# estimate). Compiled for v5p (gpt-oss-20b's 2-layer step at 8k tokens per chip, docs/
+# scaling.md): (512, 1024, 1024) 3.69e11 bytes, (1024, 512, 1024) 3.61e11; (1024, 1024, 1024)
+# overflows the kernel's 16 MiB of scoped VMEM.
+TILE = (1024, 512, 1024)
 
 
-def tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """(tm, tk, tn): 512 rows (m is padded to it, or to 128 when smaller), k and n tiles of up
-    to 1024 lanes (a last partial tile is masked by the kernel)."""
-    tm = ROW_TILE if m >= ROW_TILE else LANES
-    lanes = lambda x: min(1024, -(-x // LANES) * LANES)  # noqa: E731
-    return tm, lanes(k), lanes(n)
+def tiling(m: int, k: int, n: int, tile: tuple[int, int, int] = TILE) -> tuple[int, int, int]:
+    """(tm, tk, tn) for an [m, k] x [k, n] call: `tile`'s rows (m is padded to them, or to 128
+    when smaller), k and n tiles of up to `tile`'s lanes (a last partial tile is masked by the
+    kernel)."""
+    tm = tile[0] if m >= tile[0] else LANES
+    lanes = lambda x, most: min(most, -(-x // LANES) * LANES)  # noqa: E731
+    return tm, lanes(k, tile[1]), lanes(n, tile[2])
 
 
 KERNELS = ("megablox", "triton")
 
 
 def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, kernel: str,
-                   interpret: bool = False, group_offset: jax.Array | int | None = None
-                   ) -> jax.Array:
+                   interpret: bool = False, group_offset: jax.Array | int | None = None,
+                   tile: tuple[int, int, int] = TILE) -> jax.Array:
     """`lax.ragged_dot(x, w, sizes)` by a kernel (rows past sum(sizes) are zero).
 
     With `group_offset` o, `w_EKN` holds only groups o .. o + w.shape[0] - 1 of the len(sizes)
@@ -44,7 +51,8 @@ def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, ker
     the row tiles of those groups; the Triton kernel skips the others' tiles.
 
     megablox wants whole row tiles whose rows all belong to groups: the rows are zero-padded to
-    the tile and the padding counted into the last group, then dropped."""
+    the tile and the padding counted into the last group, then dropped. `tile`: megablox's
+    (tm, tk, tn) at most (`tiling`); the Triton kernel picks its own."""
     if kernel not in KERNELS:
         raise ValueError(f"grouped_matmul: kernel={kernel!r}, expected one of {KERNELS}")
     if group_offset is None and w_EKN.shape[0] != sizes_E.shape[0]:
@@ -54,7 +62,7 @@ def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, ker
     if kernel == "triton":
         return gmm_gpu.gmm(x_MK, w_EKN, sizes_E, interpret=interpret, group_offset=offset)
     m, k = x_MK.shape
-    tile = tiling(m, k, w_EKN.shape[2])
+    tile = tiling(m, k, w_EKN.shape[2], tile)
     mp = -(-m // tile[0]) * tile[0]
     sizes_E = sizes_E.astype(jnp.int32)
     total = jnp.sum(sizes_E)

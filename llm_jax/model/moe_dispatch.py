@@ -189,18 +189,19 @@ def _no_drops(f: Callable[..., jax.Array]) -> DispatchFn:
     return lambda x, r, w, cfg: (f(x, r, w, cfg.swiglu_limit), jnp.zeros((), jnp.float32))
 
 
-def _gmm_kernel() -> dict[str, Any]:
+def _gmm_kernel(cfg: ModelConfig) -> dict[str, Any]:
     """The grouped-matmul kernel for the target backend: Triton on GPU, else megablox (on CPU in
-    interpret mode, as the tests run it)."""
+    interpret mode, as the tests run it) with the config's tiles."""
     platform = backend()
+    tile = (cfg.gmm_tile_m, cfg.gmm_tile_k, cfg.gmm_tile_n)
     if platform == "gpu":
-        return {"kernel": "triton", "interpret": False}
-    return {"kernel": "megablox", "interpret": platform != "tpu"}
+        return {"kernel": "triton", "interpret": False, "tile": tile}
+    return {"kernel": "megablox", "interpret": platform != "tpu", "tile": tile}
 
 
 def _gmm(x, r, w, cfg):
-    return (moe_gmm(x, r, w, cfg.swiglu_limit, unpack_mib=cfg.mxfp4_unpack_mib, **_gmm_kernel()),
-            jnp.zeros((), jnp.float32))
+    return (moe_gmm(x, r, w, cfg.swiglu_limit, unpack_mib=cfg.mxfp4_unpack_mib,
+                    **_gmm_kernel(cfg)), jnp.zeros((), jnp.float32))
 
 
 def _blocked(x, r, w, cfg):
@@ -225,7 +226,7 @@ def _expert_parallel_gmm(x, r, w, cfg, factor: float | None = None):
     if factor is None:
         factor = cfg.moe_capacity_factor
     return moe_expert_parallel(x, r, w, cfg.swiglu_limit, factor,
-                               unpack_mib=cfg.mxfp4_unpack_mib, **_gmm_kernel())
+                               unpack_mib=cfg.mxfp4_unpack_mib, **_gmm_kernel(cfg))
 
 
 def _expert_parallel_gmm_exact(x, r, w, cfg):

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from llm_jax.kernels.grouped_matmul import grouped_matmul
+from llm_jax.kernels.grouped_matmul import TILE, grouped_matmul
 from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
@@ -60,6 +60,7 @@ from llm_jax.parallel.sharding import RULES, mesh_axes
 
 P = jax.sharding.PartitionSpec
 GroupedMatmul = Callable[..., jax.Array]  # ragged_dot's signature (+ group_offset: a kernel)
+Tile = tuple[int, int, int]  # megablox's (tm, tk, tn), kernels/grouped_matmul.py
 
 
 def experts_per_unpack(w: PackedExperts, unpack_mib: int) -> int:
@@ -161,7 +162,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
 
 def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float,
                         capacity_factor: float, rules=RULES, *, kernel: str | None = None,
-                        interpret: bool = False, unpack_mib: int = 0
+                        interpret: bool = False, unpack_mib: int = 0, tile: Tile = TILE
                         ) -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, D], fraction of assignments dropped), on the mesh in context.
     `kernel` ("megablox", "triton"): the local grouped matmuls by that Pallas kernel instead of
@@ -170,7 +171,7 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
     t, k = routing.experts_Tk.shape
     grouped: GroupedMatmul = jax.lax.ragged_dot
     if kernel is not None:
-        grouped = functools.partial(grouped_matmul, kernel=kernel, interpret=interpret)
+        grouped = functools.partial(grouped_matmul, kernel=kernel, interpret=interpret, tile=tile)
     # lax.ragged_dot takes no group offset: without a kernel a packed stack unpacks whole.
     kwargs = dict(limit=limit, factor=capacity_factor, grouped=grouped,
                   unpack_mib=unpack_mib if kernel is not None else 0)
@@ -213,14 +214,14 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
 
 
 def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, interpret: bool,
-               kernel: str, mlp_axes: tuple[str, ...], unpack_mib: int):
+               kernel: str, mlp_axes: tuple[str, ...], unpack_mib: int, tile: Tile):
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     s = sort_by_expert(experts_Tk, w1.shape[0])
     # Packed stacks: unpacked on this device, a group of experts at a time.
     grouped = functools.partial(
         grouped_experts, unpack_mib=unpack_mib,
-        grouped=functools.partial(grouped_matmul, kernel=kernel, interpret=interpret))
+        grouped=functools.partial(grouped_matmul, kernel=kernel, interpret=interpret, tile=tile))
     h_AF2 = grouped(s.rows(x_TD), w1, s.group_sizes_E) + b1[s.experts_A]
     y_AD = grouped(swiglu(h_AF2, limit), w2, s.group_sizes_E)
     if mlp_axes:
@@ -230,8 +231,8 @@ def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, in
 
 
 def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *,
-            kernel: str = "megablox", interpret: bool = False, unpack_mib: int = 0
-            ) -> jax.Array:
+            kernel: str = "megablox", interpret: bool = False, unpack_mib: int = 0,
+            tile: Tile = TILE) -> jax.Array:
     """`moe_ragged` with grouped-matmul kernels (`kernel`: "megablox" for TPU, "triton" for
     GPU), packed experts unpacked `unpack_mib` MiB at a time (`grouped_experts`); on the mesh
     in context (see module doc)."""
@@ -240,13 +241,13 @@ def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
         return _local_gmm(*args, limit=limit, interpret=interpret, kernel=kernel, mlp_axes=(),
-                          unpack_mib=unpack_mib)
+                          unpack_mib=unpack_mib, tile=tile)
     batch, mlp = mesh_axes(mesh, ("batch",)), mesh_axes(mesh, ("mlp",))
     if x_TD.shape[0] % math.prod(mesh.shape[a] for a in batch):
         batch = ()
     bs, ms = batch or None, mlp or None
     fn = functools.partial(_local_gmm, limit=limit, interpret=interpret, kernel=kernel,
-                           mlp_axes=mlp, unpack_mib=unpack_mib)
+                           mlp_axes=mlp, unpack_mib=unpack_mib, tile=tile)
     return jax.shard_map(
         fn, mesh=mesh,
         in_specs=(P(bs), P(bs), P(bs), stack_spec(w.gate_up_EDF2, (None, None, ms)), P(None, ms),

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llm_jax.kernels.grouped_matmul import grouped_matmul
+from llm_jax.kernels.grouped_matmul import TILE, grouped_matmul, tiling
 
 
 @pytest.mark.parametrize("kernel", ["megablox", "triton"])
@@ -53,6 +53,30 @@ def test_a_group_offset_multiplies_those_groups_rows_only(kernel):
     np.testing.assert_allclose(total, want, rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(dx, dx_want, rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(jnp.concatenate(dws), dw_want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tile", [(256, 128, 128), (128, 256, 384), TILE])
+def test_megablox_tiles_change_no_value_or_gradient(tile):
+    """Row tiles that groups straddle, several contracted and output tiles (a last partial
+    one), and the default (whose 1,024 rows exceed m: 128-row tiles)."""
+    r = np.random.default_rng(2)
+    x = jnp.asarray(r.normal(size=(600, 256)) / 16, jnp.float32)
+    w = jnp.asarray(r.normal(size=(4, 256, 448)), jnp.float32)
+    sizes = jnp.asarray([200, 57, 0, 300], jnp.int32)  # 43 rows past the groups
+    do = jnp.asarray(r.normal(size=(600, 448)), jnp.float32)
+    want, pull = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w)
+    got, pull_got = jax.vjp(
+        lambda a, b: grouped_matmul(a, b, sizes, kernel="megablox", interpret=True, tile=tile),
+        x, w)
+    for a, g in zip((want, *pull(do)), (got, *pull_got(do))):  # d x reaches |20|: float32 sums
+        np.testing.assert_allclose(g, a, rtol=1e-5, atol=2e-6 * float(jnp.max(jnp.abs(a))))
+
+
+def test_tiling_takes_the_tile_or_what_the_shape_needs():
+    assert tiling(40960, 2880, 5760) == TILE == (1024, 512, 1024)
+    assert tiling(40960, 2880, 5760, (512, 1024, 1024)) == (512, 1024, 1024)
+    assert tiling(700, 64, 200, (512, 1024, 1024)) == (512, 128, 256)  # lanes padded to 128
+    assert tiling(100, 2880, 5760) == (128, 512, 1024)  # fewer rows than a tile: 128-row tiles
 
 
 def test_unknown_kernel_is_named():

@@ -121,6 +121,29 @@ def test_each_dispatch_outputs_and_gradients_match_the_loop_reference_directly(d
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dispatch", ["gmm", "expert_parallel_gmm"])
+def test_the_configs_megablox_tiles_reach_the_kernel(dispatch, monkeypatch):
+    import llm_jax.model.moe_parallel as moe_parallel
+
+    seen = []
+    real = moe_parallel.grouped_matmul
+
+    def spy(*args, tile, **kwargs):
+        seen.append(tile)
+        return real(*args, tile=tile, **kwargs)
+
+    monkeypatch.setattr(moe_parallel, "grouped_matmul", spy)
+    cfg = dataclasses.replace(NO_DROP, moe_dispatch=dispatch, gmm_tile_m=256, gmm_tile_k=128,
+                              gmm_tile_n=384)
+    w = _weights(cfg)
+    x = np.random.default_rng(1).normal(size=(2, 8, cfg.hidden_size))
+    y, _ = _moe_module(cfg, w)(jnp.asarray(x, jnp.float32), train=True)
+    assert seen and set(seen) == {(256, 128, 384)}
+    ref = numpy_moe(x.reshape(16, -1), w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"],
+                    w["b2"], cfg.experts_per_token, cfg.swiglu_limit).reshape(x.shape)
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_capacity_path_drops_overflow_and_reports_the_rate():
     w = {k: jnp.asarray(v, jnp.float32) for k, v in _weights(CFG, seed=5).items()}
     # All tokens identical: all route to the same 2 experts, so each gets T assignments.
