@@ -78,8 +78,8 @@ class ModelConfig:
     # megablox's tiles (TPU grouped matmuls: gmm, expert_parallel_gmm): rows, contracted lanes
     # and output lanes of one block, multiples of 128 (kernels/grouped_matmul.py: each row tile
     # re-reads its expert's weights, each output tile the rows). The GPU kernel picks its own.
-    gmm_tile_m: int = 1024
-    gmm_tile_k: int = 512
+    gmm_tile_m: int = 512
+    gmm_tile_k: int = 1024
     gmm_tile_n: int = 1024
     # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel*) apply only to
     # training calls (`train=True`); every other call computes the exact function.
