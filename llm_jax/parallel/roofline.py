@@ -14,12 +14,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# jax device_kind -> (peak dense bf16 FLOP/s, HBM bytes/s) per chip; sources in docs/scaling.md.
+# jax device_kind -> (peak dense bf16 FLOP/s, HBM bytes/s) per jax device: a chip, except on
+# TPU7x, whose chip (2,307 TFLOP/s, 7,380 GB/s) is two devices; sources in docs/scaling.md.
 CHIP_PEAKS: dict[str, tuple[float, float]] = {
     "TPU v4": (275e12, 1200e9),
     "TPU v5 lite": (197e12, 819e9),
     "TPU v5": (459e12, 2765e9),
     "TPU v6 lite": (918e12, 1638e9),
+    "TPU7x": (2307e12 / 2, 7380e9 / 2),
 }
 
 # Substrings of Pallas kernel names (pallas_call `name=`) -> the kernel family they belong to.

@@ -13,8 +13,10 @@ to it, the arithmetic estimate of `costs.memory_per_device`.
 llm_jax.compile --program generate`). A run config with `lora.rank > 0` compiles the LoRA
 train step (QLoRA with `model.expert_format=mxfp4`: the packed base frozen).
 
-Topology names: `v5p-N`, `v4-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N` count chips
-(Cloud TPU accelerator types); or libtpu's own `v5p:2x2x4`.
+Topology names: `v5p-N`, `v4-N`, `tpu7x-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N`
+count chips (Cloud TPU accelerator types); or libtpu's own `v5p:2x2x4`. A v4 or v5p chip is one
+jax device (its two TensorCores work as one); a TPU7x chip is two, one per TensorCore, each with
+half the chip's HBM.
 """
 
 from __future__ import annotations
@@ -42,17 +44,17 @@ from llm_jax.training import finetune
 from llm_jax.training.run_config import model_config
 from llm_jax.training.step import compile_steps
 
-# Per-chip HBM (bytes), by jax device_kind. Cloud TPU specs: v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
-# v6e 32 GiB.
+# HBM (bytes) per jax device, by device_kind. Cloud TPU specs: v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
+# v6e 32 GiB a chip; TPU7x 192 GiB a chip, two devices.
 HBM_BYTES = {"TPU v4": 32 * 2**30, "TPU v5 lite": 16 * 2**30, "TPU v5": 95 * 2**30,
-             "TPU v6 lite": 32 * 2**30}
+             "TPU v6 lite": 32 * 2**30, "TPU7x": 96 * 2**30}
 
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
               256: "4x8x8", 512: "8x8x8"}
 _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
               256: "16x16"}
 _GENERATIONS = {"v4": (2, _SHAPES_3D), "v5p": (2, _SHAPES_3D), "v5e": (1, _SHAPES_2D),
-                "v6e": (1, _SHAPES_2D)}
+                "v6e": (1, _SHAPES_2D), "tpu7x": (2, _SHAPES_3D)}
 
 
 def topology_name(name: str) -> str:

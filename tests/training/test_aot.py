@@ -46,7 +46,10 @@ def test_topology_names_follow_cloud_tpu_accelerator_types():
     assert aot.topology_name("v5p-32") == "v5p:2x2x4"  # 32 TensorCores = 16 chips
     assert aot.topology_name("v5e-16") == "v5e:4x4"
     assert aot.topology_name("v6e-64") == "v6e:8x8"
+    assert aot.topology_name("tpu7x-16") == "tpu7x:2x2x2"  # 16 TensorCores = 8 chips
     assert aot.topology_name("v4:2x2x1") == "v4:2x2x1"
+    from llm_jax.parallel.roofline import CHIP_PEAKS
+    assert set(CHIP_PEAKS) == set(aot.HBM_BYTES)  # every chip with a roofline has its HBM size
     with pytest.raises(ValueError, match="v5p-24.*24 is not a v5p slice size"):
         aot.topology_name("v5p-24")
     with pytest.raises(ValueError, match="expected GEN-N"):
