@@ -41,6 +41,7 @@ from llm_jax.model.experts import (
     Routing,
     combine,
     expert_einsum,
+    expert_rows,
     sort_by_expert,
     swiglu,
 )
@@ -68,9 +69,10 @@ def moe_ragged(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float
     k = routing.experts_Tk.shape[1]
     s = sort_by_expert(routing.experts_Tk, w.gate_up_EDF2.shape[0])
     x_AD = s.rows(x_TD)
-    h = jax.lax.ragged_dot(x_AD, w.gate_up_EDF2, s.group_sizes_E) + w.gate_up_bias_EF2[s.experts_A]
+    h = jax.lax.ragged_dot(x_AD, w.gate_up_EDF2, s.group_sizes_E) \
+        + expert_rows(w.gate_up_bias_EF2, s.experts_A)
     y_AD = jax.lax.ragged_dot(swiglu(h, limit), w.down_EFD, s.group_sizes_E) \
-        + w.down_bias_ED[s.experts_A]
+        + expert_rows(w.down_bias_ED, s.experts_A)
     return combine(s.unsort(y_AD).reshape(t, k, d), routing.weights_Tk)
 
 

@@ -50,6 +50,7 @@ from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
     combine,
+    expert_rows,
     sort_by_expert,
     stack_spec,
     swiglu,
@@ -144,11 +145,11 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
     sizes = r.group_sizes_E[:el].at[el - 1].add(r.group_sizes_E[el])
     ge = jnp.minimum(r.experts_A, el - 1)
     grouped = functools.partial(grouped_experts, grouped=grouped, unpack_mib=unpack_mib)
-    h = grouped(r.rows(x_recv), w1_EDF, sizes) + b1_EF[ge]
+    h = grouped(r.rows(x_recv), w1_EDF, sizes) + expert_rows(b1_EF, ge)
     y = grouped(swiglu(h, limit), w2_EFD, sizes)
     if mlp_axes:  # each device computed its slice of F: sum the partial outputs
         y = jax.lax.psum(y, mlp_axes)
-    y = jnp.where((r.experts_A < el)[:, None], y + b2_ED[ge], 0.0)
+    y = jnp.where((r.experts_A < el)[:, None], y + expert_rows(b2_ED, ge), 0.0)
     y_recv = r.unsort(y)  # back to arrival order
 
     # 5. Back to the sources, each assignment from its slot (a dropped one: zeros), combined.
@@ -222,11 +223,11 @@ def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, in
     grouped = functools.partial(
         grouped_experts, unpack_mib=unpack_mib,
         grouped=functools.partial(grouped_matmul, kernel=kernel, interpret=interpret, tile=tile))
-    h_AF2 = grouped(s.rows(x_TD), w1, s.group_sizes_E) + b1[s.experts_A]
+    h_AF2 = grouped(s.rows(x_TD), w1, s.group_sizes_E) + expert_rows(b1, s.experts_A)
     y_AD = grouped(swiglu(h_AF2, limit), w2, s.group_sizes_E)
     if mlp_axes:
         y_AD = jax.lax.psum(y_AD, mlp_axes)
-    y_AD = y_AD + b2[s.experts_A]
+    y_AD = y_AD + expert_rows(b2, s.experts_A)
     return combine(s.unsort(y_AD).reshape(t, k, d), weights_Tk)
 
 

@@ -253,6 +253,24 @@ def test_swiglu_gradient_matches_closed_form_across_the_clamps(dtype, rtol):
     assert (np.asarray(dh, np.float32)[h64 > limit] == 0).all()  # both halves clamped above
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_expert_rows_is_the_gather_exactly_and_its_gradient_the_segment_sum(dtype):
+    from llm_jax.model.experts import expert_rows
+
+    rng = np.random.default_rng(3)
+    table = jnp.asarray(rng.normal(size=(5, 7)) * 1e3, dtype)  # large and small, all bits kept
+    table = table.at[1].set(jnp.asarray(rng.normal(size=7) * 1e-6, dtype))
+    experts = jnp.asarray(rng.integers(0, 5, size=40), jnp.int32)
+    y, vjp = jax.vjp(lambda t: expert_rows(t, experts), table)
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(table[experts], np.float32))
+    g = jnp.asarray(rng.normal(size=(40, 7)), dtype)
+    want = np.zeros((5, 7))
+    np.add.at(want, np.asarray(experts), np.asarray(g, np.float64))
+    np.testing.assert_allclose(np.asarray(vjp(g)[0], np.float32), want,
+                               rtol=1e-6 if dtype == jnp.float32 else 1e-2, atol=1e-5)
+
+
 def test_permute_rows_matches_indexing_in_value_and_gradient():
     from llm_jax.model.experts import inverse_permutation, take_rows
 
