@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -80,40 +81,83 @@ def expert_einsum(spec: str, x: jax.Array, w: ExpertStack, bias: jax.Array | Non
     return (y + w.lora_scale * side).astype(jnp.result_type(x.dtype, w.dtype))
 
 
-def _clamped(h: jax.Array, limit: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(glu input, linear input, clamped glu, clamped linear), in float32. The strided halves
-    are taken in h's dtype and then widened (the same values): XLA:TPU materialises a strided
-    lane slice, and in bfloat16 it is half the bytes."""
-    glu_in, lin_in = h[..., 0::2].astype(jnp.float32), h[..., 1::2].astype(jnp.float32)
+def _halves(h: jax.Array, blocked: bool) -> tuple[jax.Array, jax.Array]:
+    """(glu, linear) pre-activations: interleaved columns (the checkpoint's layout), or with
+    `blocked` the two contiguous halves [glu | linear] (`blocked_halves`)."""
+    if blocked:
+        f = h.shape[-1] // 2
+        return h[..., :f], h[..., f:]
+    return h[..., 0::2], h[..., 1::2]
+
+
+def _clamped(h: jax.Array, limit: float, blocked: bool
+             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(glu input, linear input, clamped glu, clamped linear), in float32. The halves are taken
+    in h's dtype and then widened (the same values): XLA:TPU materialises a strided lane slice,
+    and in bfloat16 it is half the bytes."""
+    glu_in, lin_in = (x.astype(jnp.float32) for x in _halves(h, blocked))
     return glu_in, lin_in, jnp.minimum(glu_in, limit), jnp.clip(lin_in, -limit, limit)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def swiglu(h: jax.Array, limit: float) -> jax.Array:
-    """gpt-oss clamped SwiGLU on interleaved [..., 2F] pre-activations -> [..., F] in h's dtype:
-    `glu * sigmoid(1.702 glu) * (lin + 1)`, glu = min(h[0::2], limit), lin = clip(h[1::2]).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def swiglu(h: jax.Array, limit: float, blocked: bool = False) -> jax.Array:
+    """gpt-oss clamped SwiGLU on [..., 2F] pre-activations -> [..., F] in h's dtype:
+    `glu * sigmoid(1.702 glu) * (lin + 1)`, glu = min(h[0::2], limit), lin = clip(h[1::2]);
+    with `blocked`, glu = h[:F] and lin = h[F:] (the gate-up columns put in that order by
+    `blocked_halves`).
 
     Computed in float32, as the norms and RoPE are (one rounding for bfloat16). The gradient is
     written out: JAX's own scatters the two strided halves back with two pads and an add, which
     XLA:CPU ran ~6x slower than this one interleaving stack in a microbenchmark (in the whole
     step the difference is within the noise: docs/benchmarks.md). The clamps pass the gradient
     where the input is within them, bounds included, as torch's clamp does."""
-    _, _, glu, lin = _clamped(h, limit)
+    _, _, glu, lin = _clamped(h, limit, blocked)
     return (glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)).astype(h.dtype)
 
 
-def _swiglu_fwd(h, limit):
-    return swiglu(h, limit), h
+def _swiglu_fwd(h, limit, blocked):
+    return swiglu(h, limit, blocked), h
 
 
-def _swiglu_bwd(limit, h, g):
-    glu_in, lin_in, glu, lin = _clamped(h, limit)
+def _swiglu_bwd(limit, blocked, h, g):
+    glu_in, lin_in, glu, lin = _clamped(h, limit, blocked)
     g = g.astype(jnp.float32)
     sig = jax.nn.sigmoid(SWIGLU_ALPHA * glu)
     dglu = g * (lin + 1.0) * sig * (1.0 + SWIGLU_ALPHA * glu * (1.0 - sig)) * (glu_in <= limit)
     dlin = g * glu * sig * (jnp.abs(lin_in) <= limit)
-    # rounded before interleaving (the same values): the interleaved copy is in h's dtype
-    return (jnp.stack([dglu.astype(h.dtype), dlin.astype(h.dtype)], axis=-1).reshape(h.shape),)
+    # rounded before joining (the same values): the joined copy is in h's dtype
+    halves = dglu.astype(h.dtype), dlin.astype(h.dtype)
+    return (jnp.concatenate(halves, -1) if blocked else _interleave(*halves),)
+
+
+def _interleave(a: jax.Array, b: jax.Array) -> jax.Array:
+    """[..., F], [..., F] -> [..., 2F] with a in the even columns, b in the odd ones."""
+    return jnp.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def blocked_halves(w: jax.Array, blocks: int = 1) -> jax.Array:
+    """Interleaved gate-up columns [..., 2F] (glu, linear, glu, ...) -> [glu | linear] within
+    each of `blocks` contiguous blocks of columns (the `tensor` shards of F, so each device's
+    slice stays its own glu and linear halves), for `swiglu(..., blocked=True)`. The gradient
+    interleaves back."""
+    return _per_block(w, blocks, lambda x: jnp.concatenate(_halves(x, blocked=False), -1))
+
+
+def _per_block(w: jax.Array, blocks: int, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    x = w.reshape(*w.shape[:-1], blocks, w.shape[-1] // blocks)
+    return fn(x).reshape(w.shape)
+
+
+def _blocked_halves_fwd(w, blocks):
+    return blocked_halves(w, blocks), None
+
+
+def _blocked_halves_bwd(blocks, _, g):
+    return (_per_block(g, blocks, lambda x: _interleave(*_halves(x, blocked=True))),)
+
+
+blocked_halves.defvjp(_blocked_halves_fwd, _blocked_halves_bwd)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -49,6 +49,7 @@ from llm_jax.kernels.grouped_matmul import TILE, grouped_matmul
 from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
+    blocked_halves,
     combine,
     expert_rows,
     sort_by_expert,
@@ -98,6 +99,26 @@ def grouped_experts(x_MK: jax.Array, w: ExpertStack, sizes_E: jax.Array, *,
     return jax.lax.fori_loop(0, e // n, one_group, y0)
 
 
+def gate_up_blocked(w: ExpertWeights, rows: int, devices: int, tp: int
+                    ) -> tuple[ExpertWeights, bool]:
+    """(w, blocked): the gate-up stack and bias with their columns as [glu | linear] within
+    each `tensor` shard (`experts.blocked_halves`) and blocked = True, when that is the cheaper
+    layout, else w as it is. Interleaved, the SwiGLU reads strided lanes of each device's
+    [rows, 2F] pre-activations and XLA:TPU interleaves their gradient back through layout copies
+    (the largest MoE cost left after `take_rows` in gpt-oss-20b's step at 8k tokens per chip);
+    blocked, the weights are reordered instead, each device its shard (E D 2F / devices
+    elements), before the `embed` gather, and their gradient after its reduce-scatter. So
+    blocked when a device's rows outweigh its shard: training batches, not decoding steps. A
+    packed (MXFP4) stack stays interleaved: reordering it would rewrite the packed weights at
+    every call."""
+    stack = w.gate_up_EDF2
+    e, d, _ = stack.shape
+    if isinstance(stack, PackedExperts) or rows * devices < e * d * tp:
+        return w, False
+    return w._replace(gate_up_EDF2=blocked_halves(stack, tp),
+                      gate_up_bias_EF2=blocked_halves(w.gate_up_bias_EF2, tp)), True
+
+
 def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -> int:
     """C: rows a device may send to one device of the expert axis (see module doc)."""
     return max(1, min(local_assignments, math.ceil(factor * local_assignments / expert_devices)))
@@ -106,10 +127,10 @@ def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -
 def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, limit: float,
                factor: float, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...],
                batch_axes: tuple[str, ...], n: int, grouped: GroupedMatmul,
-               unpack_mib: int = 0):
+               unpack_mib: int = 0, blocked: bool = False):
     """One device's share: steps 1-5 of the module doc. Returns (y [T, D], dropped count).
     Packed stacks are unpacked here, on the device that holds those experts
-    (`grouped_experts`)."""
+    (`grouped_experts`). `blocked`: the gate-up columns are [glu | linear] (`gate_up_blocked`)."""
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     el = w1_EDF.shape[0]
@@ -146,7 +167,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
     ge = jnp.minimum(r.experts_A, el - 1)
     grouped = functools.partial(grouped_experts, grouped=grouped, unpack_mib=unpack_mib)
     h = grouped(r.rows(x_recv), w1_EDF, sizes) + expert_rows(b1_EF, ge)
-    y = grouped(swiglu(h, limit), w2_EFD, sizes)
+    y = grouped(swiglu(h, limit, blocked), w2_EFD, sizes)
     if mlp_axes:  # each device computed its slice of F: sum the partial outputs
         y = jax.lax.psum(y, mlp_axes)
     y = jnp.where((r.experts_A < el)[:, None], y + expert_rows(b2_ED, ge), 0.0)
@@ -177,8 +198,9 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
     kwargs = dict(limit=limit, factor=capacity_factor, grouped=grouped,
                   unpack_mib=unpack_mib if kernel is not None else 0)
     if mesh.empty:
+        w, blocked = gate_up_blocked(w, slots_per_pair(t * k, 1, capacity_factor), 1, 1)
         y, dropped = _local_moe(x_TD, routing.experts_Tk, routing.weights_Tk, *w, expert_axes=(),
-                                mlp_axes=(), batch_axes=(), n=1, **kwargs)
+                                mlp_axes=(), batch_axes=(), n=1, blocked=blocked, **kwargs)
         return y, dropped / (t * k)
     batch_axes = mesh_axes(mesh, ("batch",), rules)
     expert_axes = mesh_axes(mesh, ("experts",), rules)
@@ -202,8 +224,10 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
                          f"{'x'.join(batch_axes)}={shards}")
     ba, ea, ma = (batch_axes or None), (expert_axes or None), (mlp_axes or None)
     tok, tok_k = P(ba, None), P(ba, None)
+    rows = n * slots_per_pair(t // shards * k, n, capacity_factor)
+    w, blocked = gate_up_blocked(w, rows, math.prod(mesh.shape.values()), tp)
     fn = functools.partial(_local_moe, expert_axes=expert_axes, mlp_axes=mlp_axes,
-                           batch_axes=batch_axes, n=n, **kwargs)
+                           batch_axes=batch_axes, n=n, blocked=blocked, **kwargs)
     y, dropped = jax.shard_map(
         fn, mesh=mesh,
         in_specs=(tok, tok_k, tok_k, stack_spec(w.gate_up_EDF2, (ea, None, ma)), P(ea, ma),
@@ -215,7 +239,8 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
 
 
 def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, interpret: bool,
-               kernel: str, mlp_axes: tuple[str, ...], unpack_mib: int, tile: Tile):
+               kernel: str, mlp_axes: tuple[str, ...], unpack_mib: int, tile: Tile,
+               blocked: bool = False):
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     s = sort_by_expert(experts_Tk, w1.shape[0])
@@ -224,7 +249,7 @@ def _local_gmm(x_TD, experts_Tk, weights_Tk, w1, b1, w2, b2, *, limit: float, in
         grouped_experts, unpack_mib=unpack_mib,
         grouped=functools.partial(grouped_matmul, kernel=kernel, interpret=interpret, tile=tile))
     h_AF2 = grouped(s.rows(x_TD), w1, s.group_sizes_E) + expert_rows(b1, s.experts_A)
-    y_AD = grouped(swiglu(h_AF2, limit), w2, s.group_sizes_E)
+    y_AD = grouped(swiglu(h_AF2, limit, blocked), w2, s.group_sizes_E)
     if mlp_axes:
         y_AD = jax.lax.psum(y_AD, mlp_axes)
     y_AD = y_AD + expert_rows(b2, s.experts_A)
@@ -237,18 +262,23 @@ def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *
     """`moe_ragged` with grouped-matmul kernels (`kernel`: "megablox" for TPU, "triton" for
     GPU), packed experts unpacked `unpack_mib` MiB at a time (`grouped_experts`); on the mesh
     in context (see module doc)."""
-    args = (x_TD, routing.experts_Tk, routing.weights_Tk, w.gate_up_EDF2, w.gate_up_bias_EF2,
-            w.down_EFD, w.down_bias_ED)
     mesh = jax.sharding.get_abstract_mesh()
+    t, k = routing.experts_Tk.shape
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return _local_gmm(*args, limit=limit, interpret=interpret, kernel=kernel, mlp_axes=(),
-                          unpack_mib=unpack_mib, tile=tile)
+        w, blocked = gate_up_blocked(w, t * k, 1, 1)
+        return _local_gmm(x_TD, routing.experts_Tk, routing.weights_Tk, *w, limit=limit,
+                          interpret=interpret, kernel=kernel, mlp_axes=(), unpack_mib=unpack_mib,
+                          tile=tile, blocked=blocked)
     batch, mlp = mesh_axes(mesh, ("batch",)), mesh_axes(mesh, ("mlp",))
-    if x_TD.shape[0] % math.prod(mesh.shape[a] for a in batch):
+    if t % math.prod(mesh.shape[a] for a in batch):
         batch = ()
     bs, ms = batch or None, mlp or None
+    shards = math.prod(mesh.shape[a] for a in batch)
+    w, blocked = gate_up_blocked(w, t // shards * k, math.prod(mesh.shape.values()),
+                                 math.prod(mesh.shape[a] for a in mlp))
+    args = (x_TD, routing.experts_Tk, routing.weights_Tk, *w)
     fn = functools.partial(_local_gmm, limit=limit, interpret=interpret, kernel=kernel,
-                           mlp_axes=mlp, unpack_mib=unpack_mib, tile=tile)
+                           mlp_axes=mlp, unpack_mib=unpack_mib, tile=tile, blocked=blocked)
     return jax.shard_map(
         fn, mesh=mesh,
         in_specs=(P(bs), P(bs), P(bs), stack_spec(w.gate_up_EDF2, (None, None, ms)), P(None, ms),

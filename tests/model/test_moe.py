@@ -144,6 +144,35 @@ def test_the_configs_megablox_tiles_reach_the_kernel(dispatch, monkeypatch):
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dispatch", ["gmm", "expert_parallel_gmm", "expert_parallel"])
+def test_sorted_dispatches_with_the_gate_up_stack_blocked_match_the_loop_reference(dispatch):
+    """Enough rows (T k >= E D) that the gate-up columns are reordered to [glu | linear]
+    (`gate_up_blocked`): outputs and gradients against the interleaved loop reference."""
+    from llm_jax.model.moe_parallel import gate_up_blocked
+
+    w = {k: jnp.asarray(v, jnp.float32) for k, v in _weights(CFG, seed=7, scale=3.0).items()}
+    t = CFG.num_experts * CFG.hidden_size // CFG.experts_per_token + 8
+    x = jax.random.normal(jax.random.key(8), (t, CFG.hidden_size))
+    ct = jax.random.normal(jax.random.key(9), (t, CFG.hidden_size))
+    ew = ExpertWeights(w["w1"], w["b1"], w["w2"], w["b2"])
+    assert gate_up_blocked(ew, t * CFG.experts_per_token, 1, 1)[1]
+    assert not gate_up_blocked(ew, 4, 1, 1)[1]  # a decoding step's rows: left interleaved
+    k, lim = CFG.experts_per_token, CFG.swiglu_limit
+
+    def loss(x, p):
+        r = route(x, p["router"], p["router_bias"], k)
+        y, _ = DISPATCHES[dispatch].fn(x, r, ExpertWeights(p["w1"], p["b1"], p["w2"], p["b2"]),
+                                       NO_DROP)
+        return jnp.sum(y * ct)
+
+    l_ref, g_ref = jax.value_and_grad(lambda x, p: jnp.sum(jax_loop_moe(x, p, k, lim) * ct),
+                                      argnums=(0, 1))(x, w)
+    l, g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_capacity_path_drops_overflow_and_reports_the_rate():
     w = {k: jnp.asarray(v, jnp.float32) for k, v in _weights(CFG, seed=5).items()}
     # All tokens identical: all route to the same 2 experts, so each gets T assignments.
@@ -269,6 +298,37 @@ def test_expert_rows_is_the_gather_exactly_and_its_gradient_the_segment_sum(dtyp
     np.add.at(want, np.asarray(experts), np.asarray(g, np.float64))
     np.testing.assert_allclose(np.asarray(vjp(g)[0], np.float32), want,
                                rtol=1e-6 if dtype == jnp.float32 else 1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_blocked_swiglu_equals_the_interleaved_one_bitwise(dtype, blocks):
+    """Gate-up columns reordered to [glu | linear] within each of `blocks` tensor shards by
+    `blocked_halves`, then `swiglu(blocked=True)` on each shard: the same values and the same
+    gradient as the interleaved SwiGLU, bit for bit (both reorderings only move values; the
+    gradients are the same per-element expressions)."""
+    from llm_jax.model.experts import blocked_halves
+
+    limit = 7.0
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(6, 48)) * 6, dtype)
+    h = h.at[0, :4].set(jnp.asarray([limit, limit, -3.0, -limit], dtype))  # on the bounds
+    g = jnp.asarray(rng.normal(size=(6, 24)), dtype)
+    hb = blocked_halves(h, blocks)
+    w = 48 // blocks
+    np.testing.assert_array_equal(np.asarray(hb[:, w - w // 2:w], np.float32),  # a linear half
+                                  np.asarray(h[:, 1:w:2], np.float32)[:, -(w // 2):])
+
+    def blocked(h):  # each shard's SwiGLU, as each device of the tensor axis computes it
+        parts = jnp.split(blocked_halves(h, blocks), blocks, axis=-1)
+        return jnp.concatenate([swiglu(p, limit, True) for p in parts], -1)
+
+    y_ref, vjp_ref = jax.vjp(lambda h: swiglu(h, limit), h)
+    y, vjp = jax.vjp(blocked, h)
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(vjp(g)[0], np.float32),
+                                  np.asarray(vjp_ref(g)[0], np.float32))
 
 
 def test_permute_rows_matches_indexing_in_value_and_gradient():
