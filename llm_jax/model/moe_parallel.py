@@ -188,7 +188,8 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
                         ) -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, D], fraction of assignments dropped), on the mesh in context.
     `kernel` ("megablox", "triton"): the local grouped matmuls by that Pallas kernel instead of
-    `lax.ragged_dot` (and packed experts unpacked `unpack_mib` MiB at a time)."""
+    `lax.ragged_dot` (and packed experts unpacked `unpack_mib` MiB at a time; `tile`:
+    megablox's tiles)."""
     mesh = jax.sharding.get_abstract_mesh()
     t, k = routing.experts_Tk.shape
     grouped: GroupedMatmul = jax.lax.ragged_dot
@@ -260,8 +261,8 @@ def moe_gmm(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float, *
             kernel: str = "megablox", interpret: bool = False, unpack_mib: int = 0,
             tile: Tile = TILE) -> jax.Array:
     """`moe_ragged` with grouped-matmul kernels (`kernel`: "megablox" for TPU, "triton" for
-    GPU), packed experts unpacked `unpack_mib` MiB at a time (`grouped_experts`); on the mesh
-    in context (see module doc)."""
+    GPU), packed experts unpacked `unpack_mib` MiB at a time (`grouped_experts`), megablox's
+    `tile`; on the mesh in context (see module doc)."""
     mesh = jax.sharding.get_abstract_mesh()
     t, k = routing.experts_Tk.shape
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
