@@ -26,10 +26,11 @@ LANES = 128
 # scaling.md): (1024, 512, 1024) reads 2-3 % fewer bytes than this default, with the same
 # temporaries at a 40,960-row buffer but 4.7 GiB more dropless (131,072 rows); (1024, 1024,
 # 1024) overflows the kernel's 16 MiB of scoped VMEM.
-TILE = (512, 1024, 1024)
+Tile = tuple[int, int, int]  # (tm, tk, tn)
+TILE: Tile = (512, 1024, 1024)
 
 
-def tiling(m: int, k: int, n: int, tile: tuple[int, int, int] = TILE) -> tuple[int, int, int]:
+def tiling(m: int, k: int, n: int, tile: Tile = TILE) -> Tile:
     """(tm, tk, tn) for an [m, k] x [k, n] call: `tile`'s rows (m is padded to them, or to 128
     when smaller), k and n tiles of up to `tile`'s lanes (a last partial tile is masked by the
     kernel)."""
@@ -43,7 +44,7 @@ KERNELS = ("megablox", "triton")
 
 def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, kernel: str,
                    interpret: bool = False, group_offset: jax.Array | int | None = None,
-                   tile: tuple[int, int, int] = TILE) -> jax.Array:
+                   tile: Tile = TILE) -> jax.Array:
     """`lax.ragged_dot(x, w, sizes)` by a kernel (rows past sum(sizes) are zero).
 
     With `group_offset` o, `w_EKN` holds only groups o .. o + w.shape[0] - 1 of the len(sizes)

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from llm_jax.kernels.grouped_matmul import TILE, grouped_matmul
+from llm_jax.kernels.grouped_matmul import TILE, Tile, grouped_matmul
 from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
@@ -62,7 +62,6 @@ from llm_jax.parallel.sharding import RULES, mesh_axes
 
 P = jax.sharding.PartitionSpec
 GroupedMatmul = Callable[..., jax.Array]  # ragged_dot's signature (+ group_offset: a kernel)
-Tile = tuple[int, int, int]  # megablox's (tm, tk, tn), kernels/grouped_matmul.py
 
 
 def experts_per_unpack(w: PackedExperts, unpack_mib: int) -> int:

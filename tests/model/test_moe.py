@@ -331,7 +331,7 @@ def test_blocked_swiglu_equals_the_interleaved_one_bitwise(dtype, blocks):
                                   np.asarray(vjp_ref(g)[0], np.float32))
 
 
-def test_permute_rows_matches_indexing_in_value_and_gradient():
+def test_take_rows_of_a_permutation_matches_indexing_in_value_and_gradient():
     from llm_jax.model.experts import inverse_permutation, take_rows
 
     x = jax.random.normal(jax.random.key(0), (7, 3))
