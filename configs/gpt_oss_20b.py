@@ -27,8 +27,11 @@ def get_config() -> ml_collections.ConfigDict:
         dtype="bfloat16",
         param_dtype="bfloat16",
         moe_dispatch="auto",  # dropless: the megablox gmm kernel on TPU, ragged_dot on GPU
-        # 2,048 tokens per device and chunk of the fused loss: at 8k tokens per chip, 4 chunks
-        # (1.5 GiB of float32 logits each), unrolled; compiled choice in docs/scaling.md
-        loss_chunk_tokens=2048,
+        # The fused loss: logits 1,024 tokens per device at a time (0.77 GiB of float32), their
+        # gradients into dh and dW once per 8 chunks (a 3.1 GiB bf16 buffer): at 8k tokens per
+        # chip one reduce-scatter of the unembedding's gradient instead of 8; compiled choice
+        # (2-layer unit on v5p-32: 3.33e11 -> 3.04e11 bytes) in docs/scaling.md
+        loss_chunk_tokens=1024,
+        loss_group_chunks=8,
     )
     return default_run_config("gpt_oss_20b", model)

@@ -28,8 +28,8 @@ EXPERT_FORMATS = ("dense", "mxfp4")
 NORM_TYPES = ("rms", "layer")
 # How the same function is executed: changing them never changes a result, so a run may resume
 # with other values.
-EXECUTION_FIELDS = ("remat", "scan_layers", "attention_impl", "loss_chunk_tokens", "gmm_tile_m",
-                    "gmm_tile_k", "gmm_tile_n")
+EXECUTION_FIELDS = ("remat", "scan_layers", "attention_impl", "loss_chunk_tokens",
+                    "loss_group_chunks", "gmm_tile_m", "gmm_tile_k", "gmm_tile_n")
 
 # Fixed by the gpt-oss reference, not design decisions (docs/model.md).
 RMS_NORM_EPS = 1e-5
@@ -96,6 +96,10 @@ class ModelConfig:
     # (model/unembed_loss.py): each chunk holds [tokens, vocab] float32 logits and re-reads the
     # unembedding and its float32 gradient, so larger chunks read those fewer times.
     loss_chunk_tokens: int = 256
+    # Chunks of the loss whose logits' gradients go into dh and dW in one product: each product
+    # reduces a [vocab, hidden] float32 gradient (across the batch shards, on a mesh), so k chunks
+    # a group do that k times less often for k - 1 more chunks of gradient held at once.
+    loss_group_chunks: int = 1
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
@@ -118,7 +122,7 @@ class ModelConfig:
         positive_ints = (
             "num_hidden_layers", "num_experts", "experts_per_token", "vocab_size", "hidden_size",
             "intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads",
-            "initial_context_length", "loss_chunk_tokens",
+            "initial_context_length", "loss_chunk_tokens", "loss_group_chunks",
         )
         for name in positive_ints:
             if getattr(self, name) <= 0:

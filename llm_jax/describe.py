@@ -113,6 +113,9 @@ FIELD_DOCS: dict[str, str] = {
     "loss_chunk_tokens": "tokens per device in one chunk of the fused unembedding + loss: each "
                          "holds [tokens, vocab] float32 logits; fewer chunks re-read the "
                          "unembedding and its gradient fewer times",
+    "loss_group_chunks": "loss chunks whose gradients go into dh and dW in one product: the "
+                         "unembedding's float32 gradient is reduced once a group, for more "
+                         "chunks of [tokens, vocab] gradient held at once",
     "initializer_range": "std of the normal initialiser (output projections / sqrt(2L))",
 }
 

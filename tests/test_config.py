@@ -41,6 +41,7 @@ def test_defaults_are_the_books_sixteen_numbers():
         ({"vocab_size": 8000.0}, "vocab_size"),
         ({"swiglu_limit": 0.0}, "swiglu_limit"),
         ({"loss_chunk_tokens": 0}, "loss_chunk_tokens"),
+        ({"loss_group_chunks": 0}, "loss_group_chunks"),
         ({"gmm_tile_m": 500}, "gmm_tile_m"),
         ({"gmm_tile_k": 0}, "gmm_tile_k"),
         ({"gmm_tile_n": -128}, "gmm_tile_n"),

@@ -147,7 +147,8 @@ class Transformer(nnx.Module):
         (model/unembed_loss.py): what training and evaluation call."""
         return cross_entropy_sum(h_BTD, self.unembedding[...], targets_BT, weights_BT,
                                  dtype=self.cfg.compute_dtype,
-                                 chunk_tokens=self.cfg.loss_chunk_tokens)
+                                 chunk_tokens=self.cfg.loss_chunk_tokens,
+                                 group_chunks=self.cfg.loss_group_chunks)
 
     def __call__(
         self,

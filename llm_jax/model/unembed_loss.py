@@ -9,6 +9,11 @@ gradient at once, (softmax - one-hot) x weight, and multiplies it into dh and dW
 backward pass only scales two stored arrays by the incoming cotangent: three unembedding-sized
 matmuls as without chunking, and no recomputation (as Liger kernel's fused linear
 cross-entropy does). Evaluation runs the forward half alone.
+
+Chunks come in groups (`group_chunks`, ModelConfig.loss_group_chunks): the logits are formed a
+chunk at a time, but their gradients go into dh and dW once a group. dW sums over every token,
+so each product into it reads, writes or (on a mesh that splits the batch) reduce-scatters a
+[V, D] float32 array; a group pays that once for k chunks, and holds k chunks of gradient.
 """
 
 from __future__ import annotations
@@ -132,45 +137,83 @@ def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
     return total
 
 
-def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
-    """(loss, dloss/dh [B, T, D], dloss/dW [V, D], nll [B, T]), all float32."""
+def _group_split(x_BT: jax.Array, c: int, k: int, fill: int | float = 0) -> jax.Array:
+    """[B, T, ...] -> [m, k, B, c, ...]: m groups of k chunks, T padded with `fill` to m k c."""
+    b, t = x_BT.shape[:2]
+    n = -(-t // c)
+    m = -(-n // k)
+    x = _split(jnp.pad(x_BT, [(0, 0), (0, m * k * c - t)] + [(0, 0)] * (x_BT.ndim - 2),
+                       constant_values=fill), c)
+    return x.reshape(m, k, *x.shape[1:])
+
+
+def chunks_per_group(num_chunks: int, group_chunks: int) -> int:
+    """k: chunks per gradient group, at most `group_chunks`, spread evenly over the fewest groups
+    (5 chunks in groups of at most 4: two groups of 3, one chunk of padding)."""
+    k = max(1, min(group_chunks, num_chunks))
+    return -(-num_chunks // -(-num_chunks // k))
+
+
+def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks):
+    """(loss, dloss/dh [B, T, D], dloss/dW [V, D], nll [B, T]), all float32.
+
+    Chunks come in groups of k: each chunk in turn forms its logits and their gradient g
+    (`dtype`, [B, c, V]); then one product per group takes the k chunks' g into dh and dW.
+    dW sums over tokens, so each product that adds to it reads or reduces a [V, D] float32 array
+    (on a mesh that splits the batch, a reduce-scatter of it: gpt-oss-20b on v5p-32, 2.3 GB a
+    product); a group of k chunks does that once instead of k times, for k - 1 more chunks of g
+    held at once (docs/scaling.md)."""
     b, t, d = h_BTD.shape
     v = w_VD.shape[0]
     w_cdt = w_VD.astype(dtype)
+    k = chunks_per_group(-(-t // c), group_chunks)
 
     def body(carry, xs):
         carry, xs = _after(carry, xs)
         total, dw_VD = carry
-        h, tgt, wt = xs
-        logits_BcV, lse_Bc, nll_Bc = _chunk_nll(h, w_VD, tgt, dtype)
-        p_BcV = jnp.exp(logits_BcV - lse_Bc[..., None])
-        onehot_BcV = jax.nn.one_hot(tgt, v, dtype=jnp.float32)
-        g_BcV = ((p_BcV - onehot_BcV) * wt[..., None]).astype(dtype)
-        dh_BcD = jnp.einsum("BcV,VD->BcD", g_BcV, w_cdt, preferred_element_type=jnp.float32)
-        dw_VD = dw_VD + jnp.einsum("BcV,BcD->VD", g_BcV, h.astype(dtype),
+        h_kBcD, tgt_kBc, wt_kBc = xs
+        # The chunks' g written in place into one [k, B, c, V] buffer: a stack would copy them,
+        # and zeros would write it once more (every slot is overwritten below).
+        g_kBcV = jax.lax.empty((k, *tgt_kBc.shape[1:], v), dtype)
+        nll = []
+        for j in range(k):
+            h = h_kBcD[j]
+            if j:  # after the last chunk's g and nll: one chunk of float32 logits at a time
+                (g_kBcV, nll), h = _after((g_kBcV, nll), h)
+            logits_BcV, lse_Bc, nll_Bc = _chunk_nll(h, w_VD, tgt_kBc[j], dtype)
+            p_BcV = jnp.exp(logits_BcV - lse_Bc[..., None])
+            onehot_BcV = jax.nn.one_hot(tgt_kBc[j], v, dtype=jnp.float32)
+            g_BcV = ((p_BcV - onehot_BcV) * wt_kBc[j][..., None]).astype(dtype)
+            g_kBcV = jax.lax.dynamic_update_index_in_dim(g_kBcV, g_BcV, j, 0)
+            nll.append(nll_Bc)
+        nll_kBc = jnp.stack(nll)
+        dh_kBcD = jnp.einsum("kBcV,VD->kBcD", g_kBcV, w_cdt, preferred_element_type=jnp.float32)
+        dw_VD = dw_VD + jnp.einsum("kBcV,kBcD->VD", g_kBcV, h_kBcD.astype(dtype),
                                    preferred_element_type=jnp.float32)
-        return (total + jnp.sum(wt * nll_Bc), dw_VD), (dh_BcD, nll_Bc)
+        return (total + jnp.sum(wt_kBc * nll_kBc), dw_VD), (dh_kBcD, nll_kBc)
 
-    xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
+    xs = (_group_split(h_BTD, c, k), _group_split(targets_BT, c, k),
+          _group_split(weights_BT, c, k))
     init = (jnp.zeros((), jnp.float32), jnp.zeros((v, d), jnp.float32))
-    (total, dw_VD), (dh_nBcD, nll_nBc) = jax.lax.scan(body, init, xs,
-                                                     unroll=loop_unroll(xs[1].shape[0]))
-    dh_BTD = jnp.moveaxis(dh_nBcD, 0, 1).reshape(b, -1, d)[:, :t]
-    nll_BT = jnp.moveaxis(nll_nBc, 0, 1).reshape(b, -1)[:, :t]
+    (total, dw_VD), (dh, nll) = jax.lax.scan(body, init, xs, unroll=loop_unroll(xs[1].shape[0]))
+    # [m, k, B, c, ...] -> [B, m k c, ...], cut to T.
+    dh_BTD = jnp.moveaxis(dh.reshape(-1, *dh.shape[2:]), 0, 1).reshape(b, -1, d)[:, :t]
+    nll_BT = jnp.moveaxis(nll.reshape(-1, *nll.shape[2:]), 0, 1).reshape(b, -1)[:, :t]
     return total, dh_BTD, dw_VD, nll_BT
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks):
     return _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c)
 
 
-def _fused_fwd(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
-    total, dh_BTD, dw_VD, nll_BT = _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c)
+def _fused_fwd(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks):
+    total, dh_BTD, dw_VD, nll_BT = _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c,
+                                                   group_chunks)
     return total, (dh_BTD, dw_VD, nll_BT)
 
 
-def _fused_bwd(dtype, c, res, g):
+def _fused_bwd(dtype, c, group_chunks, res, g):
     dh_BTD, dw_VD, nll_BT = res
     return g * dh_BTD, g * dw_VD, None, g * nll_BT
 
@@ -186,12 +229,14 @@ def cross_entropy_sum(
     *,
     dtype: jnp.dtype = jnp.float32,
     chunk_tokens: int | None = None,
+    group_chunks: int = 1,
 ) -> jax.Array:
     """sum_t weights_t (logsumexp(logits_t) - logits_t[target_t]) with logits = h W^T computed in
     `dtype` with float32 results: the value and gradients of today's full-logits loss
     `(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights).sum()`.
     `weights_BT` (default all ones) is a loss mask or per-token weight: a token of weight 0
-    adds nothing to the loss or to any gradient. Divide by the weights' sum for a mean."""
+    adds nothing to the loss or to any gradient. Divide by the weights' sum for a mean.
+    `group_chunks` chunks share one product into dh and dW (`_loss_and_grads`)."""
     b, t, d = h_BTD.shape
     if targets_BT.shape != (b, t):
         raise ValueError(f"targets shape {targets_BT.shape} does not match hidden states "
@@ -206,4 +251,4 @@ def cross_entropy_sum(
     # float32 in and out of the custom VJP; `astype` casts the gradients back to each input's dtype.
     f32 = jnp.float32
     return _fused(h_BTD.astype(f32), unembedding_VD.astype(f32), targets_BT.astype(jnp.int32),
-                  weights_BT.astype(f32), jnp.dtype(dtype), c)
+                  weights_BT.astype(f32), jnp.dtype(dtype), c, group_chunks)

@@ -25,8 +25,8 @@ ARCH_FIELDS = (
 # them (a lossy choice the caller makes).
 OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "expert_format", "moe_dispatch",
                       "moe_capacity_factor", "remat", "scan_layers", "attention_impl",
-                      "loss_chunk_tokens", "mxfp4_unpack_mib", "gmm_tile_m", "gmm_tile_k",
-                      "gmm_tile_n")
+                      "loss_chunk_tokens", "loss_group_chunks", "mxfp4_unpack_mib", "gmm_tile_m",
+                      "gmm_tile_k", "gmm_tile_n")
 
 # What gpt-oss's released config.json says of its MXFP4 experts (transformers reads it).
 MXFP4_QUANTIZATION = {
