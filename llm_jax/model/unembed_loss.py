@@ -137,16 +137,6 @@ def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
     return total
 
 
-def _group_split(x_BT: jax.Array, c: int, k: int, fill: int | float = 0) -> jax.Array:
-    """[B, T, ...] -> [m, k, B, c, ...]: m groups of k chunks, T padded with `fill` to m k c."""
-    b, t = x_BT.shape[:2]
-    n = -(-t // c)
-    m = -(-n // k)
-    x = _split(jnp.pad(x_BT, [(0, 0), (0, m * k * c - t)] + [(0, 0)] * (x_BT.ndim - 2),
-                       constant_values=fill), c)
-    return x.reshape(m, k, *x.shape[1:])
-
-
 def chunks_per_group(num_chunks: int, group_chunks: int) -> int:
     """k: chunks per gradient group, at most `group_chunks`, spread evenly over the fewest groups
     (5 chunks in groups of at most 4: two groups of 3, one chunk of padding)."""
@@ -157,12 +147,11 @@ def chunks_per_group(num_chunks: int, group_chunks: int) -> int:
 def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks):
     """(loss, dloss/dh [B, T, D], dloss/dW [V, D], nll [B, T]), all float32.
 
-    Chunks come in groups of k: each chunk in turn forms its logits and their gradient g
-    (`dtype`, [B, c, V]); then one product per group takes the k chunks' g into dh and dW.
-    dW sums over tokens, so each product that adds to it reads or reduces a [V, D] float32 array
-    (on a mesh that splits the batch, a reduce-scatter of it: gpt-oss-20b on v5p-32, 2.3 GB a
-    product); a group of k chunks does that once instead of k times, for k - 1 more chunks of g
-    held at once (docs/scaling.md)."""
+    A scan over groups of s = k c time steps; in each, k chunks in turn form their float32
+    logits and write their gradient g (`dtype`, [B, c, V]) into one [B, s, V] buffer, and one
+    product each takes the group's g into dh and dW. The buffer keeps the batch first, as the
+    chunks' logits do, so both products see the unembedding as the logits' product does (a
+    [k, B, c, V] buffer made XLA:TPU lay out a second copy of the gathered unembedding)."""
     b, t, d = h_BTD.shape
     v = w_VD.shape[0]
     w_cdt = w_VD.astype(dtype)
@@ -171,34 +160,33 @@ def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks)
     def body(carry, xs):
         carry, xs = _after(carry, xs)
         total, dw_VD = carry
-        h_kBcD, tgt_kBc, wt_kBc = xs
-        # The chunks' g written in place into one [k, B, c, V] buffer: a stack would copy them,
-        # and zeros would write it once more (every slot is overwritten below).
-        g_kBcV = jax.lax.empty((k, *tgt_kBc.shape[1:], v), dtype)
+        h_BsD, tgt_Bs, wt_Bs = xs
+        # Written in place, chunk by chunk: a stack would copy the chunks, and zeros would
+        # write the buffer once more (every chunk of it is overwritten below).
+        g_BsV = jax.lax.empty((*tgt_Bs.shape, v), dtype)
         nll = []
         for j in range(k):
-            h = h_kBcD[j]
+            h_BcD, tgt_Bc, wt_Bc = (x[:, j * c:(j + 1) * c] for x in xs)
             if j:  # after the last chunk's g and nll: one chunk of float32 logits at a time
-                (g_kBcV, nll), h = _after((g_kBcV, nll), h)
-            logits_BcV, lse_Bc, nll_Bc = _chunk_nll(h, w_VD, tgt_kBc[j], dtype)
+                (g_BsV, nll), h_BcD = _after((g_BsV, nll), h_BcD)
+            logits_BcV, lse_Bc, nll_Bc = _chunk_nll(h_BcD, w_VD, tgt_Bc, dtype)
             p_BcV = jnp.exp(logits_BcV - lse_Bc[..., None])
-            onehot_BcV = jax.nn.one_hot(tgt_kBc[j], v, dtype=jnp.float32)
-            g_BcV = ((p_BcV - onehot_BcV) * wt_kBc[j][..., None]).astype(dtype)
-            g_kBcV = jax.lax.dynamic_update_index_in_dim(g_kBcV, g_BcV, j, 0)
+            onehot_BcV = jax.nn.one_hot(tgt_Bc, v, dtype=jnp.float32)
+            g_BcV = ((p_BcV - onehot_BcV) * wt_Bc[..., None]).astype(dtype)
+            g_BsV = jax.lax.dynamic_update_slice_in_dim(g_BsV, g_BcV, j * c, axis=1)
             nll.append(nll_Bc)
-        nll_kBc = jnp.stack(nll)
-        dh_kBcD = jnp.einsum("kBcV,VD->kBcD", g_kBcV, w_cdt, preferred_element_type=jnp.float32)
-        dw_VD = dw_VD + jnp.einsum("kBcV,kBcD->VD", g_kBcV, h_kBcD.astype(dtype),
+        nll_Bs = jnp.concatenate(nll, axis=1)
+        dh_BsD = jnp.einsum("BsV,VD->BsD", g_BsV, w_cdt, preferred_element_type=jnp.float32)
+        dw_VD = dw_VD + jnp.einsum("BsV,BsD->VD", g_BsV, h_BsD.astype(dtype),
                                    preferred_element_type=jnp.float32)
-        return (total + jnp.sum(wt_kBc * nll_kBc), dw_VD), (dh_kBcD, nll_kBc)
+        return (total + jnp.sum(wt_Bs * nll_Bs), dw_VD), (dh_BsD, nll_Bs)
 
-    xs = (_group_split(h_BTD, c, k), _group_split(targets_BT, c, k),
-          _group_split(weights_BT, c, k))
+    xs = (_split(h_BTD, k * c), _split(targets_BT, k * c), _split(weights_BT, k * c))
     init = (jnp.zeros((), jnp.float32), jnp.zeros((v, d), jnp.float32))
-    (total, dw_VD), (dh, nll) = jax.lax.scan(body, init, xs, unroll=loop_unroll(xs[1].shape[0]))
-    # [m, k, B, c, ...] -> [B, m k c, ...], cut to T.
-    dh_BTD = jnp.moveaxis(dh.reshape(-1, *dh.shape[2:]), 0, 1).reshape(b, -1, d)[:, :t]
-    nll_BT = jnp.moveaxis(nll.reshape(-1, *nll.shape[2:]), 0, 1).reshape(b, -1)[:, :t]
+    (total, dw_VD), (dh_mBsD, nll_mBs) = jax.lax.scan(body, init, xs,
+                                                     unroll=loop_unroll(xs[1].shape[0]))
+    dh_BTD = jnp.moveaxis(dh_mBsD, 0, 1).reshape(b, -1, d)[:, :t]
+    nll_BT = jnp.moveaxis(nll_mBs, 0, 1).reshape(b, -1)[:, :t]
     return total, dh_BTD, dw_VD, nll_BT
 
 
