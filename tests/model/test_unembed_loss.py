@@ -186,6 +186,18 @@ def test_groups_equal_single_chunks_to_rounding():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+def test_a_group_holds_one_gradient_buffer_and_one_chunk_of_logits():
+    """Groups of 2 chunks of 32 steps, B = 4, T = 128: the group's gradient g is one [B, 64, V]
+    buffer written in place (no stack of chunks, no [B, T, V]); the logits a chunk at a time."""
+    h = jnp.ones((4, 128, 16))
+    w, tg = jnp.ones((347, 16)), jnp.zeros((4, 128), jnp.int32)
+    f = jax.jit(jax.grad(lambda h, w: cross_entropy_sum(h, w, tg, chunk_tokens=128,
+                                                        group_chunks=2), argnums=(0, 1)))
+    hlo = f.lower(h, w).compile().as_text()
+    assert "f32[4,64,347]" in hlo and "f32[4,32,347]" in hlo  # g of the group; one chunk
+    assert "f32[4,128,347]" not in hlo and "f32[2,4,32,347]" not in hlo  # [B, T, V]; a stack
+
+
 def test_chunk_size_under_a_mesh_is_per_device(monkeypatch):
     """Under a mesh that splits the batch 4 ways, `chunk_tokens` counts one device's tokens."""
     import llm_jax.model.unembed_loss as ul
