@@ -30,7 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
         # The fused loss: logits 1,024 tokens per device at a time (0.77 GiB of float32), their
         # gradients into dh and dW once per 8 chunks (a 3.1 GiB bf16 buffer): at 8k tokens per
         # chip one reduce-scatter of the unembedding's gradient instead of 8; compiled choice
-        # (2-layer unit on v5p-32: 3.33e11 -> 3.04e11 bytes) in docs/scaling.md
+        # (2-layer unit on v5p-32: 3.33e11 -> 3.00e11 bytes, for 1.6 GiB more peak memory;
+        # loss_chunk_tokens=2048, loss_group_chunks=1 is the memory-first choice) in
+        # docs/scaling.md
         loss_chunk_tokens=1024,
         loss_group_chunks=8,
     )
