@@ -27,13 +27,12 @@ def get_config() -> ml_collections.ConfigDict:
         dtype="bfloat16",
         param_dtype="bfloat16",
         moe_dispatch="auto",  # dropless: the megablox gmm kernel on TPU, ragged_dot on GPU
-        # The fused loss: logits 1,024 tokens per device at a time (0.77 GiB of float32), their
-        # gradients into dh and dW once per 8 chunks (a 3.1 GiB bf16 buffer): at 8k tokens per
-        # chip one reduce-scatter of the unembedding's gradient instead of 8; compiled choice
-        # (2-layer unit on v5p-32: 3.33e11 -> 3.00e11 bytes, for 1.6 GiB more peak memory;
-        # loss_chunk_tokens=2048, loss_group_chunks=1 is the memory-first choice) in
-        # docs/scaling.md
-        loss_chunk_tokens=1024,
-        loss_group_chunks=8,
+        # The fused loss: 2,048 tokens per device a chunk (1.5 GiB of float32 logits), 4 chunks
+        # at 8k tokens per chip, unrolled (so the compiled cost counts them all). On a mesh with
+        # fsdp / expert / tensor axes that divide the vocabulary the loss splits by vocabulary
+        # (unembed_loss.vocab_split); elsewhere 4 chunks share each product into dh and dW.
+        # Compiled choices in docs/scaling.md.
+        loss_chunk_tokens=2048,
+        loss_group_chunks=4,
     )
     return default_run_config("gpt_oss_20b", model)

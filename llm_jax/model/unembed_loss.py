@@ -19,12 +19,14 @@ so each product into it reads, writes or (on a mesh that splits the batch) reduc
 from __future__ import annotations
 
 import functools
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from llm_jax.parallel.sharding import shard_count
+from llm_jax.parallel.sharding import constrain, shard_count
 from llm_jax.runtime.backend import backend
 
 # Tokens per chunk and batch shard (B c / S): about 8 MB of float32 logits at V = 8,000, so a
@@ -105,13 +107,56 @@ def _split(x_BT: jax.Array, c: int, fill: int | float = 0) -> jax.Array:
     return jnp.moveaxis(x.reshape(b, n, c, *x_BT.shape[2:]), 1, 0)
 
 
-def _chunk_nll(h_BcD: jax.Array, w_VD: jax.Array, targets_Bc: jax.Array,
-               dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(float32 logits [B, c, V], log-sum-exp [B, c], nll [B, c]) of one chunk."""
+class Split(NamedTuple):
+    """The vocab-parallel loss's layouts: `tokens` for a chunk's hidden states [B, c, D]
+    gathered over the batch shards (but `data`), `logits` for [B, c, V] split over the vocab,
+    `weight` for the unembedding [V, D] split the same way."""
+    tokens: P
+    logits: P
+    weight: P
+
+
+def vocab_split(batch: int, vocab: int) -> Split | None:
+    """The split of the loss over the current mesh's `tensor`, `fsdp` and `expert` axes by
+    vocabulary rather than by tokens, or None (no mesh, no such axis, or sizes they do not
+    divide). Split by tokens, every device multiplies its chunk by the whole unembedding,
+    gathered (1.16 GB for gpt-oss) and read once a chunk, and dW [V, D] sums over all devices'
+    tokens, so it is reduce-scattered (float32); split by vocabulary, each device reads its
+    slice of the unembedding and keeps its slice of dW, for an all-gather of each chunk's
+    hidden states and a reduce-scatter of dh ([tokens, D], small beside [V, D])."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    manual = set(getattr(mesh, "manual_axes", ()))
+    sizes = dict(mesh.shape)
+    axes = tuple(a for a in ("tensor", "fsdp", "expert")
+                 if sizes.get(a, 1) > 1 and a not in manual)
+    data = "data" if sizes.get("data", 1) > 1 and "data" not in manual else None
+    if not set(axes) & {"fsdp", "expert"} or vocab % math.prod(sizes[a] for a in axes):
+        return None
+    if data is not None and batch % sizes["data"]:
+        return None
+    return Split(tokens=P(data, None, None), logits=P(data, None, axes), weight=P(axes, None))
+
+
+def _chunk_nll(h_BcD: jax.Array, w_VD: jax.Array, targets_Bc: jax.Array, dtype: jnp.dtype,
+               split: Split | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(float32 logits [B, c, V], log-sum-exp [B, c], nll [B, c]) of one chunk. Under a vocab
+    `split` the chunk's tokens are gathered from every batch shard and each device forms its
+    slice of the vocabulary; the target's logit is then a masked sum over V (exact: one term),
+    which reduces across the shards as the log-sum-exp does, where a gather would not."""
+    if split is not None:
+        h_BcD = jax.lax.with_sharding_constraint(h_BcD, split.tokens)
     logits_BcV = jnp.einsum("BcD,VD->BcV", h_BcD.astype(dtype), w_VD.astype(dtype),
                             preferred_element_type=jnp.float32)
+    if split is not None:
+        logits_BcV = jax.lax.with_sharding_constraint(logits_BcV, split.logits)
     lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
-    target_Bc = jnp.take_along_axis(logits_BcV, targets_Bc[..., None], axis=-1)[..., 0]
+    if split is None:
+        target_Bc = jnp.take_along_axis(logits_BcV, targets_Bc[..., None], axis=-1)[..., 0]
+    else:
+        vocab_V = jnp.arange(logits_BcV.shape[-1], dtype=jnp.int32)
+        target_Bc = jnp.sum(jnp.where(vocab_V == targets_Bc[..., None], logits_BcV, 0.0), -1)
     return logits_BcV, lse_Bc, lse_Bc - target_Bc
 
 
@@ -124,11 +169,17 @@ def _after(carry: Any, xs: Any) -> tuple[Any, Any]:
     return jax.lax.optimization_barrier((carry, xs))
 
 
-def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c):
+def _split_weight(w_VD: jax.Array, split: Split | None) -> jax.Array:
+    return w_VD if split is None else jax.lax.with_sharding_constraint(w_VD, split.weight)
+
+
+def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, split):
+    w_VD = _split_weight(w_VD, split)
+
     def body(total, xs):
         total, xs = _after(total, xs)
         h, tgt, wt = xs
-        _, _, nll = _chunk_nll(h, w_VD, tgt, dtype)
+        _, _, nll = _chunk_nll(h, w_VD, tgt, dtype, split)
         return total + jnp.sum(wt * nll), None
 
     xs = (_split(h_BTD, c), _split(targets_BT, c), _split(weights_BT, c))
@@ -144,18 +195,21 @@ def chunks_per_group(num_chunks: int, group_chunks: int) -> int:
     return -(-num_chunks // -(-num_chunks // k))
 
 
-def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks):
+def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks, split):
     """(loss, dloss/dh [B, T, D], dloss/dW [V, D], nll [B, T]), all float32.
 
     A scan over groups of s = k c time steps; in each, k chunks in turn form their float32
     logits and write their gradient g (`dtype`, [B, c, V]) into one [B, s, V] buffer, and one
     product each takes the group's g into dh and dW. The buffer keeps the batch first, as the
     chunks' logits do, so both products see the unembedding as the logits' product does (a
-    [k, B, c, V] buffer made XLA:TPU lay out a second copy of the gathered unembedding)."""
+    [k, B, c, V] buffer made XLA:TPU lay out a second copy of the gathered unembedding).
+    Under a vocab `split` each device's dW is its own slice, summed in place: groups would only
+    hold more, so every group is one chunk."""
     b, t, d = h_BTD.shape
     v = w_VD.shape[0]
+    w_VD = _split_weight(w_VD, split)
     w_cdt = w_VD.astype(dtype)
-    k = chunks_per_group(-(-t // c), group_chunks)
+    k = chunks_per_group(-(-t // c), 1 if split is not None else group_chunks)
 
     def body(carry, xs):
         carry, xs = _after(carry, xs)
@@ -169,7 +223,7 @@ def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks)
             h_BcD, tgt_Bc, wt_Bc = (x[:, j * c:(j + 1) * c] for x in xs)
             if j:  # after the last chunk's g and nll: one chunk of float32 logits at a time
                 (g_BsV, nll), h_BcD = _after((g_BsV, nll), h_BcD)
-            logits_BcV, lse_Bc, nll_Bc = _chunk_nll(h_BcD, w_VD, tgt_Bc, dtype)
+            logits_BcV, lse_Bc, nll_Bc = _chunk_nll(h_BcD, w_VD, tgt_Bc, dtype, split)
             p_BcV = jnp.exp(logits_BcV - lse_Bc[..., None])
             onehot_BcV = jax.nn.one_hot(tgt_Bc, v, dtype=jnp.float32)
             g_BcV = ((p_BcV - onehot_BcV) * wt_Bc[..., None]).astype(dtype)
@@ -177,12 +231,15 @@ def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks)
             nll.append(nll_Bc)
         nll_Bs = jnp.concatenate(nll, axis=1)
         dh_BsD = jnp.einsum("BsV,VD->BsD", g_BsV, w_cdt, preferred_element_type=jnp.float32)
-        dw_VD = dw_VD + jnp.einsum("BsV,BsD->VD", g_BsV, h_BsD.astype(dtype),
-                                   preferred_element_type=jnp.float32)
+        if split is not None:  # each device's vocab slice's share, reduce-scattered to tokens
+            dh_BsD = constrain(dh_BsD, ("batch", None, None))
+            h_BsD = jax.lax.with_sharding_constraint(h_BsD, split.tokens)
+        dw_VD = dw_VD + _split_weight(jnp.einsum("BsV,BsD->VD", g_BsV, h_BsD.astype(dtype),
+                                                 preferred_element_type=jnp.float32), split)
         return (total + jnp.sum(wt_Bs * nll_Bs), dw_VD), (dh_BsD, nll_Bs)
 
     xs = (_split(h_BTD, k * c), _split(targets_BT, k * c), _split(weights_BT, k * c))
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((v, d), jnp.float32))
+    init = (jnp.zeros((), jnp.float32), _split_weight(jnp.zeros((v, d), jnp.float32), split))
     (total, dw_VD), (dh_mBsD, nll_mBs) = jax.lax.scan(body, init, xs,
                                                      unroll=loop_unroll(xs[1].shape[0]))
     dh_BTD = jnp.moveaxis(dh_mBsD, 0, 1).reshape(b, -1, d)[:, :t]
@@ -190,18 +247,18 @@ def _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks)
     return total, dh_BTD, dw_VD, nll_BT
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks):
-    return _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks, split):
+    return _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, split)
 
 
-def _fused_fwd(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks):
+def _fused_fwd(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, group_chunks, split):
     total, dh_BTD, dw_VD, nll_BT = _loss_and_grads(h_BTD, w_VD, targets_BT, weights_BT, dtype, c,
-                                                   group_chunks)
+                                                   group_chunks, split)
     return total, (dh_BTD, dw_VD, nll_BT)
 
 
-def _fused_bwd(dtype, c, group_chunks, res, g):
+def _fused_bwd(dtype, c, group_chunks, split, res, g):
     dh_BTD, dw_VD, nll_BT = res
     return g * dh_BTD, g * dw_VD, None, g * nll_BT
 
@@ -239,4 +296,5 @@ def cross_entropy_sum(
     # float32 in and out of the custom VJP; `astype` casts the gradients back to each input's dtype.
     f32 = jnp.float32
     return _fused(h_BTD.astype(f32), unembedding_VD.astype(f32), targets_BT.astype(jnp.int32),
-                  weights_BT.astype(f32), jnp.dtype(dtype), c, group_chunks)
+                  weights_BT.astype(f32), jnp.dtype(dtype), c, group_chunks,
+                  vocab_split(b, unembedding_VD.shape[0]))

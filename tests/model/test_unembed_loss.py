@@ -198,6 +198,27 @@ def test_a_group_holds_one_gradient_buffer_and_one_chunk_of_logits():
     assert "f32[4,128,347]" not in hlo and "f32[2,4,32,347]" not in hlo  # [B, T, V]; a stack
 
 
+def test_vocab_split_uses_the_mesh_axes_that_divide_the_vocabulary():
+    from jax.sharding import PartitionSpec as P
+
+    from llm_jax.model.unembed_loss import vocab_split
+    from llm_jax.parallel.sharding import MESH_AXES
+
+    def split(sizes, batch=8, vocab=96):
+        mesh = jax.sharding.AbstractMesh(sizes, MESH_AXES)  # (data, fsdp, tensor, expert)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return vocab_split(batch, vocab)
+
+    assert vocab_split(8, 96) is None  # no mesh
+    s = split((1, 4, 1, 2))
+    assert s.tokens == P(None, None, None) and s.logits == P(None, None, ("fsdp", "expert"))
+    assert s.weight == P(("fsdp", "expert"), None)
+    assert split((2, 2, 2, 1)).logits == P("data", None, ("tensor", "fsdp"))  # data keeps tokens
+    assert split((8, 1, 1, 1)) is None  # data alone: split by tokens
+    assert split((1, 1, 2, 1)) is None  # tensor alone splits no tokens: nothing to gain
+    assert split((1, 4, 1, 2), vocab=100) is None  # 8 does not divide V = 100
+
+
 def test_chunk_size_under_a_mesh_is_per_device(monkeypatch):
     """Under a mesh that splits the batch 4 ways, `chunk_tokens` counts one device's tokens."""
     import llm_jax.model.unembed_loss as ul

@@ -153,6 +153,20 @@ def test_expert_parallel_moe_equals_single_device_moe():
         assert errs["drop"] == 0.0, (mesh, errs)
 
 
+def test_loss_split_by_vocab_on_a_mesh_equals_one_device():
+    """The fused loss under a mesh with fsdp / expert / tensor axes splits the vocabulary over
+    them (unembed_loss.vocab_split) and gathers each chunk's tokens: value, dh and dW equal one
+    device's to float32 rounding (1e-5 relative to each array's largest entry); a mesh of
+    data only splits by tokens, as before."""
+    r = _child("vocab_split_loss")
+    assert r["fsdp=4,expert=2"]["split"] == "P(None, None, ('fsdp', 'expert'))", r
+    assert r["data=2,fsdp=2,tensor=2"]["split"] == "P('data', None, ('tensor', 'fsdp'))", r
+    assert r["data=8"]["split"] is None, r
+    for mesh, errs in r.items():
+        assert max(errs["errors"]) < 1e-5, (mesh, errs)
+        assert errs["sharded_in"], mesh
+
+
 def test_packed_mxfp4_experts_on_a_mesh_equal_the_dequantized_single_device_moe():
     # Packed stacks enter shard_map as blocks and scales split like the dense stack (experts on
     # `expert`, F on `tensor`) and are unpacked on the device that holds them.
@@ -247,6 +261,43 @@ def case_expert_parallel() -> dict:
             "grads": max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
                          for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref))),
             "drop": float(drop)}
+    return out
+
+
+def case_vocab_split_loss() -> dict:
+    from jax.sharding import NamedSharding
+
+    from llm_jax.model import unembed_loss as ul
+
+    b, t, d, v = 8, 40, 16, 96  # 8 chunks of 5 steps at 40 tokens; V = 96 divides by 8
+    k = jax.random.split(jax.random.key(0), 4)
+    h = jax.random.normal(k[0], (b, t, d))
+    w = 0.5 * jax.random.normal(k[1], (v, d))
+    tg = jax.random.randint(k[2], (b, t), 0, v)
+    mask = (jax.random.uniform(k[3], (b, t)) > 0.3).astype(jnp.float32)
+
+    def loss(h, w):
+        return ul.cross_entropy_sum(h, w, tg, mask, chunk_tokens=40)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    with jax.default_matmul_precision("highest"):
+        ref = jax.tree.leaves(jax.jit(grad)(h, w))
+        out = {}
+        for sizes in ({"fsdp": 4, "expert": 2}, {"data": 2, "fsdp": 2, "tensor": 2},
+                      {"data": 8}):
+            mesh = sh.make_mesh(sizes)
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                split = ul.vocab_split(b, v)
+            # h split over the batch axes and W as the params are, as in training
+            h_in = jax.device_put(h, NamedSharding(mesh, sh.logical_to_spec(("batch",))))
+            w_in = jax.device_put(w, NamedSharding(mesh, sh.logical_to_spec(("vocab", "embed"))))
+            got = jax.tree.leaves(jax.jit(sh.with_mesh(grad, mesh))(h_in, w_in))
+            errors = [float(np.max(np.abs(np.asarray(g) - np.asarray(r))) /
+                            max(float(np.max(np.abs(np.asarray(r)))), 1e-30))
+                      for g, r in zip(got, ref)]
+            out[",".join(f"{a}={n}" for a, n in sizes.items())] = dict(
+                split=None if split is None else str(split.logits), errors=errors,
+                sharded_in=not h_in.sharding.is_fully_replicated)
     return out
 
 
