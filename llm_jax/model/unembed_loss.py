@@ -110,7 +110,7 @@ def _split(x_BT: jax.Array, c: int, fill: int | float = 0) -> jax.Array:
     return jnp.moveaxis(x.reshape(b, n, c, *x_BT.shape[2:]), 1, 0)
 
 
-class Split(NamedTuple):
+class VocabSplit(NamedTuple):
     """The vocab-parallel loss's layouts: `tokens` for a chunk's hidden states [B, c, D]
     gathered over the batch shards (but `data`), `logits` for [B, c, V] split over the vocab,
     `weight` for the unembedding [V, D] split the same way."""
@@ -119,7 +119,7 @@ class Split(NamedTuple):
     weight: P
 
 
-def vocab_split(batch: int, vocab: int) -> Split | None:
+def vocab_split(batch: int, vocab: int) -> VocabSplit | None:
     """The split of the loss over the current mesh's `tensor`, `fsdp` and `expert` axes by
     vocabulary rather than by tokens, or None (no mesh, no such axis, or sizes they do not
     divide). Split by tokens, every device multiplies its chunk by the whole unembedding,
@@ -139,11 +139,11 @@ def vocab_split(batch: int, vocab: int) -> Split | None:
         return None
     if data is not None and batch % sizes["data"]:
         return None
-    return Split(tokens=P(data, None, None), logits=P(data, None, axes), weight=P(axes, None))
+    return VocabSplit(tokens=P(data, None, None), logits=P(data, None, axes), weight=P(axes, None))
 
 
 def _chunk_nll(h_BcD: jax.Array, w_VD: jax.Array, targets_Bc: jax.Array, dtype: jnp.dtype,
-               split: Split | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+               split: VocabSplit | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(float32 logits [B, c, V], log-sum-exp [B, c], nll [B, c]) of one chunk. Under a vocab
     `split` the chunk's tokens are gathered from every batch shard and each device forms its
     slice of the vocabulary; the target's logit is then a masked sum over V (exact: one term),
@@ -172,7 +172,7 @@ def _after(carry: Any, xs: Any) -> tuple[Any, Any]:
     return jax.lax.optimization_barrier((carry, xs))
 
 
-def _split_weight(w_VD: jax.Array, split: Split | None) -> jax.Array:
+def _split_weight(w_VD: jax.Array, split: VocabSplit | None) -> jax.Array:
     return w_VD if split is None else jax.lax.with_sharding_constraint(w_VD, split.weight)
 
 
