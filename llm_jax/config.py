@@ -98,7 +98,8 @@ class ModelConfig:
     loss_chunk_tokens: int = 256
     # Chunks of the loss whose logits' gradients go into dh and dW in one product: each product
     # reduces a [vocab, hidden] float32 gradient (across the batch shards, on a mesh), so k chunks
-    # a group do that k times less often for k - 1 more chunks of gradient held at once.
+    # a group do that k times less often for k - 1 more chunks of gradient held at once. Unused
+    # where the loss splits by vocabulary (unembed_loss.vocab_split: dW stays on its device).
     loss_group_chunks: int = 1
     initializer_range: float = 0.02
 

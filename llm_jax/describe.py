@@ -115,7 +115,9 @@ FIELD_DOCS: dict[str, str] = {
                          "unembedding and its gradient fewer times",
     "loss_group_chunks": "loss chunks whose gradients go into dh and dW in one product: the "
                          "unembedding's float32 gradient is reduced once a group, for more "
-                         "chunks of [tokens, vocab] gradient held at once",
+                         "chunks of [tokens, vocab] gradient held at once; only where the loss "
+                         "splits by tokens (a mesh whose axes divide the vocabulary splits it by "
+                         "vocabulary, and keeps dW on each device: no groups)",
     "initializer_range": "std of the normal initialiser (output projections / sqrt(2L))",
 }
 

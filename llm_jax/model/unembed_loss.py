@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from llm_jax.parallel.sharding import constrain, shard_count
+from llm_jax.parallel.sharding import constrain, mesh_axes, shard_count
 from llm_jax.runtime.backend import backend
 
 # Tokens per chunk and batch shard (B c / S): about 8 MB of float32 logits at V = 8,000, so a
@@ -130,16 +130,19 @@ def vocab_split(batch: int, vocab: int) -> VocabSplit | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    manual = set(getattr(mesh, "manual_axes", ()))
-    sizes = dict(mesh.shape)
-    axes = tuple(a for a in ("tensor", "fsdp", "expert")
-                 if sizes.get(a, 1) > 1 and a not in manual)
-    data = "data" if sizes.get("data", 1) > 1 and "data" not in manual else None
-    if not set(axes) & {"fsdp", "expert"} or vocab % math.prod(sizes[a] for a in axes):
+    # The vocab's own axes (RULES: tensor) and the batch's but `data`, which keeps its tokens
+    # (across slices, an all-gather of hidden states per chunk would cross the DCN).
+    batch_axes = mesh_axes(mesh, ("batch",))
+    data = tuple(a for a in batch_axes if a == "data")
+    gathered = tuple(a for a in batch_axes if a != "data")
+    axes = mesh_axes(mesh, ("vocab",)) + gathered
+    if not gathered or vocab % math.prod(mesh.shape[a] for a in axes):
         return None
-    if data is not None and batch % sizes["data"]:
+    if batch % math.prod(mesh.shape[a] for a in data):
         return None
-    return VocabSplit(tokens=P(data, None, None), logits=P(data, None, axes), weight=P(axes, None))
+    data_spec = data[0] if data else None
+    return VocabSplit(tokens=P(data_spec, None, None), logits=P(data_spec, None, axes),
+                      weight=P(axes, None))
 
 
 def _chunk_nll(h_BcD: jax.Array, w_VD: jax.Array, targets_Bc: jax.Array, dtype: jnp.dtype,
