@@ -49,7 +49,10 @@ class Job:
         address = f"127.0.0.1:{free_port()}"
         self.workdir, self.logs, self.procs = workdir, [], []
         for i in range(2):
+            # PYTHONFAULTHANDLER: a process that hangs is sent SIGABRT and prints every
+            # thread's Python stack into its log (`Job.hung`).
             env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": address,
+                   "PYTHONFAULTHANDLER": "1",
                    "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i), "JAX_NUM_CPU_DEVICES": "1",
                    "XLA_FLAGS": FAST_XLA}
             self.logs.append(workdir.parent / f"{workdir.name}.{name}.{i}.log")
@@ -60,17 +63,35 @@ class Job:
     def text(self, i: int = 0) -> str:
         return self.logs[i].read_text()
 
+    def hung(self, what: str) -> str:
+        """Stops the processes still running with SIGABRT (each prints its threads' stacks)
+        and returns what both logged: the failure message of a wait that timed out."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGABRT)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        return f"{what}\n" + "\n".join(f"--- process {i}:\n{self.text(i)[-6000:]}"
+                                        for i in range(2))
+
     def wait_for_step(self, step: int, timeout: float = 240) -> None:
         path, deadline = self.workdir / "metrics.jsonl", time.monotonic() + timeout
         while not (path.exists() and "] model: " in self.text()
                    and any(r["step"] >= step for r in read_records(self.workdir))):
-            assert all(p.poll() is None for p in self.procs), self.text()[-3000:]
-            assert time.monotonic() < deadline, self.text()[-3000:]
+            if any(p.poll() is not None for p in self.procs):
+                pytest.fail(self.hung(f"a process exited before step {step}"))
+            if time.monotonic() > deadline:
+                pytest.fail(self.hung(f"no step {step} within {timeout} s"))
             time.sleep(0.01)
 
     def finish(self, timeout: float = 300) -> list[int]:
         try:
             return [p.wait(timeout) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            pytest.fail(self.hung(f"not finished within {timeout} s"))
         finally:
             for p in self.procs:  # only the processes started here
                 if p.poll() is None:
