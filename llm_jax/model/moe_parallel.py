@@ -45,7 +45,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from llm_jax.kernels.grouped_matmul import TILE, Tile, grouped_matmul
+from llm_jax.kernels.grouped_matmul import LANES, TILE, Tile, grouped_matmul
 from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
@@ -118,6 +118,28 @@ def gate_up_blocked(w: ExpertWeights, rows: int, devices: int, tp: int
                       gate_up_bias_EF2=blocked_halves(w.gate_up_bias_EF2, tp)), True
 
 
+def exchange_width(hidden: int, kernel: str | None, expert_devices: int,
+                   w: ExpertWeights) -> int:
+    """The width of the rows the expert-parallel dispatch exchanges: `hidden`, or on TPU
+    (megablox) over an expert axis with dense stacks, `hidden` rounded up to whole 128-lane
+    tiles.
+
+    Why: XLA:TPU lays an all_to_all's operand out without partial lane tiles. For gpt-oss's
+    D = 2,880 (22.5 tiles) that puts the rows minor, so every exchange of an [R, D] buffer was a
+    transposing copy of it before and after (in gpt-oss-120b's dropless step, 72 GB of its
+    1.1 TB of bytes; docs/scaling.md). With zero columns appended to the tokens, zero input rows
+    to the gate-up stack and zero output columns to the down stack and its bias, the rows are
+    128-lane wide from the send buffer to the combine, at the cost of padding each device's
+    expert weights once a pass. The products gain only 0 x 0 terms and the extra columns are
+    sliced off: the same function. Packed (MXFP4) stacks are left as they are (padding them
+    would unpack them)."""
+    padded = -(-hidden // LANES) * LANES
+    if (kernel != "megablox" or expert_devices == 1 or padded == hidden
+            or isinstance(w.gate_up_EDF2, PackedExperts) or isinstance(w.down_EFD, PackedExperts)):
+        return hidden
+    return padded
+
+
 def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -> int:
     """C: rows a device may send to one device of the expert axis (see module doc)."""
     return max(1, min(local_assignments, math.ceil(factor * local_assignments / expert_devices)))
@@ -126,10 +148,18 @@ def slots_per_pair(local_assignments: int, expert_devices: int, factor: float) -
 def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, limit: float,
                factor: float, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...],
                batch_axes: tuple[str, ...], n: int, grouped: GroupedMatmul,
-               unpack_mib: int = 0, blocked: bool = False):
+               unpack_mib: int = 0, blocked: bool = False, width: int = 0):
     """One device's share: steps 1-5 of the module doc. Returns (y [T, D], dropped count).
     Packed stacks are unpacked here, on the device that holds those experts
-    (`grouped_experts`). `blocked`: the gate-up columns are [glu | linear] (`gate_up_blocked`)."""
+    (`grouped_experts`). `blocked`: the gate-up columns are [glu | linear] (`gate_up_blocked`).
+    `width` > D: rows are exchanged and multiplied zero-padded to it (`exchange_width`)."""
+    hidden = x_TD.shape[1]
+    if width > hidden:
+        pad = width - hidden
+        x_TD = jnp.pad(x_TD, ((0, 0), (0, pad)))
+        w1_EDF = jnp.pad(w1_EDF, ((0, 0), (0, pad), (0, 0)))
+        w2_EFD = jnp.pad(w2_EFD, ((0, 0), (0, 0), (0, pad)))
+        b2_ED = jnp.pad(b2_ED, ((0, 0), (0, pad)))
     t, d = x_TD.shape
     k = experts_Tk.shape[1]
     el = w1_EDF.shape[0]
@@ -178,7 +208,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, w1_EDF, b1_EF, w2_EFD, b2_ED, *, li
     dropped = jnp.sum(~kept).astype(jnp.float32)
     if batch_axes:
         dropped = jax.lax.psum(dropped, batch_axes)
-    return y_TD, dropped
+    return y_TD[:, :hidden], dropped
 
 
 def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float,
@@ -227,7 +257,8 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
     rows = n * slots_per_pair(t // shards * k, n, capacity_factor)
     w, blocked = gate_up_blocked(w, rows, math.prod(mesh.shape.values()), tp)
     fn = functools.partial(_local_moe, expert_axes=expert_axes, mlp_axes=mlp_axes,
-                           batch_axes=batch_axes, n=n, blocked=blocked, **kwargs)
+                           batch_axes=batch_axes, n=n, blocked=blocked,
+                           width=exchange_width(x_TD.shape[1], kernel, n, w), **kwargs)
     y, dropped = jax.shard_map(
         fn, mesh=mesh,
         in_specs=(tok, tok_k, tok_k, stack_spec(w.gate_up_EDF2, (ea, None, ma)), P(ea, ma),

@@ -148,6 +148,10 @@ def test_every_mesh_trains_exactly_like_one_device(meshes_result, mesh):
 
 def test_expert_parallel_moe_equals_single_device_moe():
     r = _child("expert_parallel")
+    # megablox exchanges rows zero-padded to 128 lanes (moe_parallel.exchange_width), only it,
+    # only over an expert axis: values and gradients as without the padding, to float32 rounding
+    assert r.pop("width") == [128, 32, 32, 128], r
+    assert r.pop("padding") < 1e-6, r
     for mesh, errs in r.items():
         assert errs["output"] < 1e-5 and errs["grads"] < 1e-5, (mesh, errs)
         assert errs["drop"] == 0.0, (mesh, errs)
@@ -261,6 +265,24 @@ def case_expert_parallel() -> dict:
             "grads": max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
                          for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref))),
             "drop": float(drop)}
+    # megablox on a mesh with an expert axis exchanges rows padded to whole 128-lane tiles
+    # (D = 32 -> 128 here): the same numbers as without the padding.
+    from llm_jax.model import moe_parallel
+    from llm_jax.model.experts import ExpertWeights as W
+
+    w = W(p["w1"], p["b1"], p["w2"], p["b2"])
+    out["width"] = [moe_parallel.exchange_width(d, kn, 2, w) for kn in ("megablox", "triton")]
+    out["width"] += [moe_parallel.exchange_width(d, "megablox", 1, w),
+                     moe_parallel.exchange_width(128, "megablox", 2, w)]
+    mesh = sh.make_mesh({"data": 2, "tensor": 2, "expert": 2})
+    fn = loss(lambda x, r, w: moe_expert_parallel(x, r, w, 7.0, 8.0, kernel="megablox",
+                                                  interpret=True))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    padded = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
+    moe_parallel.exchange_width = lambda hidden, *_: hidden
+    plain = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
+    out["padding"] = max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
+                         for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(plain)))
     return out
 
 
