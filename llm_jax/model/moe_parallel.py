@@ -118,11 +118,12 @@ def gate_up_blocked(w: ExpertWeights, rows: int, devices: int, tp: int
                       gate_up_bias_EF2=blocked_halves(w.gate_up_bias_EF2, tp)), True
 
 
-def exchange_width(hidden: int, kernel: str | None, expert_devices: int,
-                   w: ExpertWeights) -> int:
+def exchange_width(hidden: int, kernel: str | None, expert_devices: int, w: ExpertWeights,
+                   rows: int, tp: int = 1) -> int:
     """The width of the rows the expert-parallel dispatch exchanges: `hidden`, or on TPU
     (megablox) over an expert axis with dense stacks, `hidden` rounded up to whole 128-lane
-    tiles.
+    tiles where a device's `rows` received outweigh its padded weights (so training batches,
+    not decoding steps).
 
     Why: XLA:TPU lays an all_to_all's operand out without partial lane tiles. For gpt-oss's
     D = 2,880 (22.5 tiles) that puts the rows minor, so every exchange of an [R, D] buffer was a
@@ -132,10 +133,19 @@ def exchange_width(hidden: int, kernel: str | None, expert_devices: int,
     128-lane wide from the send buffer to the combine, at the cost of padding each device's
     expert weights once a pass. The products gain only 0 x 0 terms and the extra columns are
     sliced off: the same function. Packed (MXFP4) stacks are left as they are (padding them
-    would unpack them)."""
+    would unpack them).
+
+    The trade, per layer and pass: the two exchanges' copies cost about 16 R D bytes (two
+    buffers, each copied twice, read and written, in bfloat16); padding the El local experts'
+    gate-up [D, F2] and down [F2 / 2, D] stacks costs about 6 El D F2. So pad where
+    8 R >= 3 El F2 (gpt-oss-20b at 8k tokens per chip and capacity 1.25: 40,960 rows against
+    17,280)."""
     padded = -(-hidden // LANES) * LANES
+    e, _, f2 = w.gate_up_EDF2.shape
+    local_weights = (e // expert_devices) * (f2 // tp)
     if (kernel != "megablox" or expert_devices == 1 or padded == hidden
-            or isinstance(w.gate_up_EDF2, PackedExperts) or isinstance(w.down_EFD, PackedExperts)):
+            or isinstance(w.gate_up_EDF2, PackedExperts) or isinstance(w.down_EFD, PackedExperts)
+            or 8 * rows < 3 * local_weights):
         return hidden
     return padded
 
@@ -258,7 +268,8 @@ def moe_expert_parallel(x_TD: jax.Array, routing: Routing, w: ExpertWeights, lim
     w, blocked = gate_up_blocked(w, rows, math.prod(mesh.shape.values()), tp)
     fn = functools.partial(_local_moe, expert_axes=expert_axes, mlp_axes=mlp_axes,
                            batch_axes=batch_axes, n=n, blocked=blocked,
-                           width=exchange_width(x_TD.shape[1], kernel, n, w), **kwargs)
+                           width=exchange_width(x_TD.shape[1], kernel, n, w, rows, tp),
+                           **kwargs)
     y, dropped = jax.shard_map(
         fn, mesh=mesh,
         in_specs=(tok, tok_k, tok_k, stack_spec(w.gate_up_EDF2, (ea, None, ma)), P(ea, ma),
