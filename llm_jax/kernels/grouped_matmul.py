@@ -30,13 +30,17 @@ Tile = tuple[int, int, int]  # (tm, tk, tn)
 TILE: Tile = (512, 1024, 1024)
 
 
+def whole_lanes(x: int) -> int:
+    """`x` rounded up to whole 128-lane tiles."""
+    return -(-x // LANES) * LANES
+
+
 def tiling(m: int, k: int, n: int, tile: Tile = TILE) -> Tile:
     """(tm, tk, tn) for an [m, k] x [k, n] call: `tile`'s rows (m is padded to them, or to 128
     when smaller), k and n tiles of up to `tile`'s lanes (a last partial tile is masked by the
     kernel)."""
     tm = tile[0] if m >= tile[0] else LANES
-    lanes = lambda x, most: min(most, -(-x // LANES) * LANES)  # noqa: E731
-    return tm, lanes(k, tile[1]), lanes(n, tile[2])
+    return tm, min(tile[1], whole_lanes(k)), min(tile[2], whole_lanes(n))
 
 
 KERNELS = ("megablox", "triton")

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from llm_jax.kernels.grouped_matmul import LANES, TILE, Tile, grouped_matmul
+from llm_jax.kernels.grouped_matmul import TILE, Tile, grouped_matmul, whole_lanes
 from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
@@ -140,7 +140,7 @@ def exchange_width(hidden: int, kernel: str | None, expert_devices: int, w: Expe
     gate-up [D, F2] and down [F2 / 2, D] stacks costs about 6 El D F2. So pad where
     8 R >= 3 El F2 (gpt-oss-20b at 8k tokens per chip and capacity 1.25: 40,960 rows against
     17,280)."""
-    padded = -(-hidden // LANES) * LANES
+    padded = whole_lanes(hidden)
     e, _, f2 = w.gate_up_EDF2.shape
     local_weights = (e // expert_devices) * (f2 // tp)
     if (kernel != "megablox" or expert_devices == 1 or padded == hidden
