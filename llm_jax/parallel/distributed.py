@@ -70,14 +70,31 @@ def initialize(cfg: Any = None) -> dict[str, Any]:
             return {"mode": "single", "num_processes": 1, "process_id": 0}
         jax.distributed.initialize(coordinator_address=address, num_processes=num,
                                    process_id=pid, initialization_timeout=timeout)
+        compile_fresh_on_cpu()
         return {"mode": "explicit", "coordinator_address": address, "num_processes": num,
                 "process_id": pid}
     cluster = detected_cluster()
     if cluster is not None:
         jax.distributed.initialize(initialization_timeout=timeout)
+        compile_fresh_on_cpu()
         return {"mode": cluster, "num_processes": jax.process_count(),
                 "process_id": jax.process_index()}
     return {"mode": "single", "num_processes": 1, "process_id": 0}
+
+
+def compile_fresh_on_cpu() -> None:
+    """A multi-process run on CPU compiles its programs instead of loading them from the
+    persistent compilation cache. With jaxlib 0.12.1, a program that process 0 loads from the
+    cache never finishes its first collective between processes: every process waits in Gloo
+    for the others (found as a resumed two-process run that hung at its first step; jaxlib
+    0.12.0.1 and 0.10.2 run the same cached programs). CPU programs compile in seconds, so
+    the cache is off for every jaxlib rather than only for the one found broken; TPU and GPU
+    runs keep it. Called once the distributed runtime is up, before anything compiles (JAX
+    decides whether to use the cache at the first compile)."""
+    if jax.default_backend() == "cpu" and jax.config.jax_enable_compilation_cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+        log.info("multi-process CPU run: the persistent compilation cache is off (a program "
+                 "that process 0 loads from it can hang in its collectives)")
 
 
 def is_main() -> bool:

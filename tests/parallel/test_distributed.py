@@ -1,6 +1,7 @@
 """Multi-host: two processes x four CPU devices on 127.0.0.1 (launch/local.py) train three steps
 with the same losses as one process with eight devices, and the checkpoint they write together
-restores on one device and on a (2, 1, 2, 2) mesh with the same params.
+restores on one device and on a (2, 1, 2, 2) mesh with the same params; a two-process job run
+twice over one compilation cache finishes both times.
 
 The workers are this file run as a script; nothing connects beyond 127.0.0.1.
 """
@@ -51,6 +52,8 @@ def test_two_processes_train_like_one_process_with_eight_devices(runs):
     assert multi["process_count"] == 2 and single["process_count"] == 1
     assert multi["devices"] == single["devices"] == 8
     assert multi["local_rows"] == [8, 8]  # each process loaded only its half of the batch
+    # distributed.compile_fresh_on_cpu: off for processes on CPU, kept for one process
+    assert single["compilation_cache"] and not multi["compilation_cache"]
     np.testing.assert_allclose(multi["losses"], single["losses"], rtol=0, atol=1e-5)
 
 
@@ -65,6 +68,21 @@ def test_multi_process_checkpoint_restores_on_another_mesh(runs, target):
     assert r["max_param_diff"] < 1e-5, r
     assert r["devices"] == (1 if target == "one_device" else 8)
     assert r["placed_on_target"], r
+
+
+def test_a_rerun_on_cpu_does_not_load_programs_that_hang(tmp_path):
+    """The same two-process job twice with one compilation cache: the second run would load
+    its programs from the cache, and with jaxlib 0.12.1 process 0's first collective then
+    never completes (`distributed.compile_fresh_on_cpu` keeps multi-process CPU runs off the
+    cache). Each run must finish its psum across the processes well within the timeout."""
+    env = {"XLA_FLAGS": FAST_XLA, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    for _ in range(2):
+        out = _run([sys.executable, str(ROOT / "launch" / "local.py"), "--num_processes", "2",
+                    "--devices_per_process", "1", "--timeout", "120", "--", sys.executable,
+                    __file__, "psum"], env)
+        for i in range(2):  # 1^2 + 2^2, on both processes
+            assert f"[{i}] psum [5.0, 5.0, 5.0, 5.0] cache off" in out.stdout, out.stdout[-3000:]
 
 
 # --------------------------------------------------------------------------- workers
@@ -104,12 +122,32 @@ def worker_train(workdir: str, mesh_json: str) -> None:
     if distributed.is_main():
         os.makedirs(workdir, exist_ok=True)
         result = {"losses": losses, "process_count": jax.process_count(),
-                  "devices": jax.device_count(), "local_rows": counts, "init": info}
+                  "devices": jax.device_count(), "local_rows": counts, "init": info,
+                  "compilation_cache": jax.config.jax_enable_compilation_cache}
         pathlib.Path(workdir, "result.json").write_text(json.dumps(result))
         if jax.process_count() == 1:
             flat = jax.tree_util.tree_leaves_with_path(jax.device_get(state.params))
             np.savez(pathlib.Path(workdir, "params.npz"),
                      **{jax.tree_util.keystr(p): np.asarray(v) for p, v in flat})
+
+
+def worker_psum() -> None:
+    """Each process contributes (its index + 1)^2 to a sum across the processes: a fused
+    product, then the all-reduce (an all-reduce alone ran from the cache with jaxlib 0.12.1;
+    one after a computation did not)."""
+    from llm_jax.parallel import distributed
+
+    distributed.initialize()
+    import jax
+    import jax.numpy as jnp
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x = jax.make_array_from_process_local_data(
+        sharding, np.full((1, 4), jax.process_index() + 1.0, np.float32))
+    total = jax.jit(lambda a: jnp.sum(a * a, axis=0))(x)
+    cache = "on" if jax.config.jax_enable_compilation_cache else "off"
+    print(f"psum {np.asarray(total.addressable_data(0)).tolist()} cache {cache}", flush=True)
 
 
 def worker_restore(workdir: str, target: str, ref_npz: str) -> None:
@@ -140,4 +178,4 @@ def worker_restore(workdir: str, target: str, ref_npz: str) -> None:
 
 
 if __name__ == "__main__":
-    {"train": worker_train, "restore": worker_restore}[sys.argv[1]](*sys.argv[2:])
+    {"train": worker_train, "restore": worker_restore, "psum": worker_psum}[sys.argv[1]](*sys.argv[2:])
