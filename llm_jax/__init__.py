@@ -4,16 +4,16 @@ Public entry points (imported lazily, so `import llm_jax` stays cheap): `ModelCo
 `Transformer`, `init_model`, `load_pretrained`, and `sample(model, prompt_ids, max_new_tokens=...)`
 for generation. The command lines are `python -m llm_jax.train|generate|serve|chat|eval|convert|
 describe|compile|bench`.
+
+Importing the package changes nothing in the process: no allocator tuning, no JAX flags or
+global configuration. The command lines (and `python -m llm_jax.run SCRIPT`) choose the host
+malloc themselves when they start (`llm_jax.runtime.malloc`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
-
-from llm_jax.runtime.malloc import tune_glibc
-
-tune_glibc()  # before XLA starts its threads: keep its freed step buffers (runtime/malloc.py)
 
 _EXPORTS = {
     "ModelConfig": "llm_jax.config",

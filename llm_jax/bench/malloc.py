@@ -3,7 +3,7 @@
     python -m llm_jax.bench malloc [--repeats 3] [--steps 5] [--mallocs system,glibc,mimalloc]
 
 A malloc is chosen at process start, so each contender is a child process (`system`: glibc as
-it is; `glibc`: glibc tuned in-process by `import llm_jax`; `mimalloc`, `tcmalloc`: preloaded,
+it is; `glibc`: glibc tuned in-process by `tune_glibc`; `mimalloc`, `tcmalloc`: preloaded,
 the latter only where installed). Each child compiles configs/tiny.py's step at 8 x 256
 float32, runs 2 warm-up steps, then `steps` timed ones, and reports its median ms/step and the
 minor page faults and system CPU seconds per step (getrusage). Children run A B C A B C ...
@@ -32,7 +32,7 @@ def child_env(name: str, env: dict[str, str] | None = None) -> dict[str, str] | 
     if name == "system":
         return {**env, malloc.ENV: "system"}
     if name == "glibc":
-        return env  # no preload: `import llm_jax` tunes glibc
+        return env  # no preload: the child tunes glibc itself (tune_glibc)
     path = malloc.find_tcmalloc() if name == "tcmalloc" else malloc.find_mimalloc()
     if path is None:
         return None
@@ -115,6 +115,6 @@ def from_args(a: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
-    import llm_jax  # noqa: F401  (tunes glibc when nothing is preloaded)
+    malloc.tune_glibc()  # a no-op under `system` or a preloaded library
 
     print(json.dumps(measure_child(*(int(x) for x in sys.argv[2:5]))))

@@ -6,7 +6,9 @@ its working set again, a quarter of a CPU step for configs/tiny.py (docs/benchma
 tcmalloc and mimalloc keep freed pages. A malloc can only be replaced before the process
 starts, so the command-line tools re-execute themselves with it in LD_PRELOAD
 (`use_preferred_malloc`), and `python -m llm_jax.run SCRIPT` (or `llm_jax-run`) does the same
-for any program. A process that merely imports llm_jax keeps glibc, tuned by `tune_glibc`.
+for any program; where neither library is installed they tune glibc in-process instead
+(`tune_glibc`). A process that merely imports llm_jax keeps its malloc as it is: a library does
+not change its host's allocator.
 
 `LLM_JAX_MALLOC` chooses: `auto` (the default: tcmalloc if the system has it, else mimalloc from
 the `cmeel-mimalloc` wheel that `pip install` brings), `tcmalloc`, `mimalloc`, `system` (glibc
@@ -96,13 +98,15 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
 
 def use_preferred_malloc() -> None:
     """Re-executes this process with the same interpreter and arguments and the preferred malloc
-    preloaded; returns at once when that is already so, is switched off, or none is installed.
-    Call it first thing in a `__main__` block, before any computation."""
+    preloaded; returns at once when that is already so or is switched off, and tunes glibc
+    in-process when no library is installed. Call it first thing in a command line's `__main__`
+    block, before any computation (never at import: that is the host program's choice)."""
     env = preload_env(os.environ)
     if env is not None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, sys.orig_argv, env)
+    tune_glibc()
 
 
 def mapped_malloc(maps_path: str = "/proc/self/maps") -> str | None:
@@ -128,7 +132,8 @@ _glibc_tuned = False
 
 def tune_glibc() -> bool:
     """Makes glibc keep freed memory in this process: no mmap for large blocks, no trimming, and
-    one arena for threads started from now on (a thread's own arena would still mmap them).
+    one arena for threads started from now on (a thread's own arena would still mmap them), so
+    call it before XLA starts its threads.
     Resident memory then stays at its peak. Returns whether glibc is now tuned; does nothing
     under another malloc, off Linux/glibc, or with LLM_JAX_MALLOC=system."""
     global _glibc_tuned

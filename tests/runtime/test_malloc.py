@@ -137,9 +137,46 @@ def test_llm_jax_run_without_a_program_prints_usage():
     assert out.returncode == 1 and "usage: python -m llm_jax.run SCRIPT" in out.stderr
 
 
+# Imports the library's public modules in a fresh process and reports what importing them
+# changed: libraries dlopen'ed through ctypes (mallopt needs libc), JAX's global config, the
+# environment, and the malloc in use.
+IMPORT_PROBE = """
+import json, os, sys
+opened = []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "ctypes.dlopen" else None)
+import jax
+before = {k: repr(v) for k, v in jax.config.values.items()}
+env = dict(os.environ)
+import llm_jax
+for name in ("ModelConfig", "Transformer", "init_model", "load_pretrained", "sample"):
+    getattr(llm_jax, name)
+import llm_jax.training.loop, llm_jax.training.step, llm_jax.inference.engine
+from llm_jax.runtime.malloc import active_malloc
+after = {k: repr(v) for k, v in jax.config.values.items()}
+print(json.dumps({"dlopened": opened, "malloc": active_malloc(),
+                  "config_changed": sorted(k for k in after if after[k] != before.get(k)),
+                  "env_changed": sorted(k for k in set(env) | set(os.environ)
+                                        if env.get(k) != os.environ.get(k))}))
+"""
+
+
+def test_importing_llm_jax_leaves_the_process_allocator_jax_config_and_env_alone():
+    import json
+
+    out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], env=_child_env(), text=True,
+                         capture_output=True, timeout=300, check=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert not [lib for lib in r["dlopened"] if "libc" in lib], r["dlopened"]  # no mallopt
+    assert r["malloc"] == "system", r
+    assert r["config_changed"] == [], r["config_changed"]
+    assert r["env_changed"] == [], r["env_changed"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_importing_llm_jax_tunes_glibc_unless_switched_off():
-    code = "import llm_jax; from llm_jax.runtime.malloc import active_malloc; print(active_malloc())"
+def test_command_lines_tune_glibc_where_no_malloc_library_is_installed():
+    code = ("from llm_jax.runtime import malloc; malloc.find_tcmalloc = lambda *a: None; "
+            "malloc.find_mimalloc = lambda *a: None; malloc.use_preferred_malloc(); "
+            "print(malloc.active_malloc())")
 
     def run(**env):
         return subprocess.run([sys.executable, "-c", code], env=_child_env(**env), text=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,6 +122,9 @@ def test_train_cli_end_to_end(corpus_dir, tmp_path):
     assert (workdir / "expert_load.png").stat().st_size > 1000
     assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
     assert "---- sample ----" in proc.stdout
+    # The command line chose its malloc itself (importing llm_jax no longer tunes any).
+    host_malloc = re.search(r"host malloc: (.*)", proc.stderr).group(1)
+    assert host_malloc != "system", host_malloc  # a preloaded library or "glibc (tuned)"
 
     ckpt = Checkpointer(str(workdir), create=False)
     assert ckpt.all_steps() == [15, 30]
