@@ -7,6 +7,7 @@ other."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
+import pytest
 import tokenizers
 
 from llm_jax.config import ModelConfig
@@ -76,6 +78,17 @@ def saved_params(workdir: Path) -> list[np.ndarray]:
 def read_records(workdir: Path) -> list[dict]:
     """metrics.jsonl, one dict per logged step."""
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------- TPU ahead-of-time compiles
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+# CI's TPU leg sets LLM_JAX_REQUIRE_LIBTPU=1: there a missing libtpu fails these tests instead of
+# skipping them, so the TPU compiles cannot silently stop running.
+NEEDS_LIBTPU = pytest.mark.skipif(
+    not HAVE_LIBTPU and os.environ.get("LLM_JAX_REQUIRE_LIBTPU") != "1",
+    reason="libtpu is not installed (pip install 'llm_jax[tpu]'): no TPU topology descriptions "
+           "to compile for")
 
 
 # ----------------------------------------------------------------- sharding and many devices

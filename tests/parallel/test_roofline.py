@@ -1,11 +1,10 @@
 """Roofline arithmetic and kernel detection in compiled HLO text; an ahead-of-time TPU compile
 of splash and gmm where libtpu is installed."""
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import NEEDS_LIBTPU
 
 from llm_jax.parallel.roofline import kernel_families, kernels_in, roofline
 
@@ -30,8 +29,7 @@ def test_roofline_takes_the_slower_term():
     assert roofline("TPU v9", 1.0, 1.0, 1.0) is None
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="needs libtpu (pip install 'jax[tpu]') for TPU ahead-of-time compiles")
+@NEEDS_LIBTPU
 def test_splash_and_gmm_compile_for_tpu_under_a_mesh():
     import os
 

@@ -4,7 +4,6 @@ memory next to the arithmetic estimate."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import NEEDS_LIBTPU
 
 from llm_jax.training import aot
 
@@ -20,9 +20,6 @@ TINY = ["--config.model.num_hidden_layers=2", "--config.model.num_experts=8",
         "--config.model.hidden_size=64", "--config.model.intermediate_size=64",
         "--config.model.head_dim=16", "--config.model.vocab_size=256", "--seq_len=32",
         "--batch=8"]
-HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
-NEEDS_LIBTPU = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install "
-                                  "'llm_jax[tpu]'): no TPU topology descriptions to compile for")
 
 
 def cli(*args, xla_flags=""):
