@@ -131,7 +131,7 @@ def qualified_name_resolves(dotted: str) -> bool:
     if candidates is None or dotted in NOT_MODULE_REFERENCES:
         return True
     packages = [m for m in candidates if (PACKAGE.parent / m.replace(".", "/")).is_dir()]
-    if packages and not any(
+    if len(packages) == len(candidates) and not any(
             (PACKAGE.parent / p.replace(".", "/") / rest.split(".", 1)[0]).with_suffix(".py")
             .exists() for p in packages):
         return True  # `model.layers.attn`: a parameter path, not the package's submodule
