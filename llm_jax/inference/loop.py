@@ -51,9 +51,9 @@ def prefill(model: nnx.Module, tokens_BP: jax.Array, lengths_B: jax.Array,
 
 
 # XLA:CPU copies each layer's slice of the stacked weights inside the decode loop, every step;
-# sliced once before the loop, a batch-8 step ran ~4 % faster and a batch-1 step ~8 %
-# (docs/benchmarks.md). That holds a second copy of the layer weights for the call, so it is
-# done only where it was measured, on CPU, and up to this many bytes of layer weights.
+# sliced once before the loop, a batch-8 step of the tiny config ran ~4 % faster and a batch-1
+# step ~8 %. That holds a second copy of the layer weights for the call, so it is done only
+# where it was measured, on CPU, and up to this many bytes of layer weights.
 SLICE_LAYERS_MAX_BYTES = 1 << 30
 
 

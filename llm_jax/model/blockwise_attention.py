@@ -31,13 +31,13 @@ import jax.numpy as jnp
 from llm_jax.model.attention_math import attention_mask
 
 # Below this many keys (one or two blocks) the direct path (one T x S einsum) is as fast; from
-# here on the blockwise one is faster, causal or not (docs/benchmarks.md).
+# here on the blockwise one is faster, causal or not (`python -m llm_jax.bench attention`).
 BLOCKWISE_MIN_KEYS = 256
 # ... and above this many bytes of float32 scores (B N T S x 4) the direct path is refused.
 BLOCKWISE_SCORE_BYTES = 256 * 2**20
 # Block sizes: large enough that each block matmul runs near the machine's matmul rate, small
 # enough that a window's edges and the causal diagonal waste few masked scores and that one
-# block pair's [B, K, G Q, C] scores stay in cache (measured on XLA:CPU, docs/benchmarks.md).
+# block pair's [B, K, G Q, C] scores stay in cache (measured on XLA:CPU).
 DEFAULT_BLOCK = 64  # keys per key block (C)
 DEFAULT_Q_BLOCK = 128  # queries per query block (Q)
 

@@ -1,7 +1,8 @@
 """What every MoE dispatch shares: the router's outputs, the experts' weights, the clamped SwiGLU
 between their two matmuls, and the one sort of assignments by expert and the weighted combine
-back to tokens. A leaf of model/: the dispatches (`moe_dispatch.py`, `moe_parallel.py`) import it,
-and the kernels (`kernels/`) see only the arrays.
+back to tokens. Below the dispatches in model/ (it imports only `matmul.py` and `mxfp4.py`):
+the dispatches (`moe_dispatch.py`, `moe_parallel.py`) import it, and the kernels (`kernels/`)
+see only the arrays.
 
 Shapes: T tokens, D hidden, E experts, k experts per token, F intermediate, A = T k assignments
 in (token, choice) order: assignment a is token a // k's choice a % k.
@@ -109,7 +110,7 @@ def swiglu(h: jax.Array, limit: float, blocked: bool = False) -> jax.Array:
     Computed in float32, as the norms and RoPE are (one rounding for bfloat16). The gradient is
     written out: JAX's own scatters the two strided halves back with two pads and an add, which
     XLA:CPU ran ~6x slower than this one interleaving stack in a microbenchmark (in the whole
-    step the difference is within the noise: docs/benchmarks.md). The clamps pass the gradient
+    step the difference is within the noise). The clamps pass the gradient
     where the input is within them, bounds included, as torch's clamp does."""
     _, _, glu, lin = _clamped(h, limit, blocked)
     return (glu * jax.nn.sigmoid(SWIGLU_ALPHA * glu) * (lin + 1.0)).astype(h.dtype)

@@ -11,7 +11,7 @@ q - ((q - s) mod S), or nothing if that is negative.
 The layouts are those of decode attention's (B, K) batched matmuls, so a step reads the cache
 in place: values [B, K, S, H] (probabilities [G T, S] x values [S, H]) and keys transposed,
 [B, K, H, S] (queries [G T, H] x keys [H, S]). With keys [B, K, S, H] XLA:CPU ran the score
-product as a transposed-operand matmul about 2x slower (docs/benchmarks.md, issue 15).
+product as a transposed-operand matmul about 2x slower (the score op alone, batch 8).
 Per-layer arrays (not one stack) let every layer be updated in place without slicing copies.
 """
 

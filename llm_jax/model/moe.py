@@ -33,7 +33,7 @@ class MoEAux(NamedTuple):
     load_balancing_loss: jax.Array  # Switch Transformer: E * sum_e f_e P_e (1.0 when balanced)
     router_z_loss: jax.Array  # ST-MoE: mean logsumexp(logits)^2
     expert_load: jax.Array  # [E] f_e: fraction of assignments routed to each expert
-    drop_fraction: jax.Array  # fraction of assignments dropped (capacity path; else 0)
+    drop_fraction: jax.Array  # fraction of assignments dropped (the dropping dispatches in training; else 0)
 
 
 def route(x_TD: jax.Array, kernel_DE: jax.Array, bias_E: jax.Array, k: int) -> Routing:

@@ -26,7 +26,8 @@ Formulation: capacity per device pair, C = min(A, ceil(moe_capacity_factor * A /
 factor >= n, C = A (a source's every assignment fits in one destination), so nothing can be
 dropped and the layer is exactly the single-device MoE; with a smaller factor it moves and
 computes factor x fewer rows, overflow is dropped and counted in `drop_fraction` (like the
-capacity dispatch). Without a mesh (or on one device) the same code runs with n = 1: dropless.
+capacity dispatch). Without a mesh (or on one device) the same code runs with n = 1: dropless
+for a factor >= 1, dropping for a factor below 1 (which the config allows).
 
 gmm (`moe_gmm`): the function of `moe_dispatch.moe_ragged`, its two grouped matmuls by a Pallas
 kernel. Under a mesh it runs in `jax.shard_map`: tokens split over the batch axes, expert weights

@@ -179,8 +179,8 @@ def _layer_slice(layer_state: nnx.State, i: int, after: jax.Array | None) -> nnx
     slice is taken where the layer runs. Taken with a constant index inside a decode loop, the
     slices are loop-invariant, and while-loop invariant code motion hoists them out of the loop
     as copies: every layer's weights a second time, live for the whole loop (docs/scaling.md).
-    In a sharded program (gpt-oss-120b on v5e-8) libtpu dropped the barrier before that pass
-    ran, so the inference programs of XLA:TPU and XLA:CPU compile without the pass
+    libtpu can drop the barrier in a sharded program before that pass runs (it did for
+    gpt-oss-120b on v5e-8), so the inference programs of XLA:TPU and XLA:CPU compile without it
     (`runtime.backend.INFERENCE_OPTIONS`); the barrier stays for XLA:GPU, which keeps the pass
     (its programs were not measured)."""
     if after is not None:

@@ -48,9 +48,9 @@ FULL_UNROLL = 8
 # the logits' product (gpt-oss-20b: 2.3 GB), beside a second, transposed one for the prefill's
 # logits. On CPU, `logits` of a narrower unembedding walk the vocabulary in chunks of this many
 # rows, each converted in its turn: 11 MiB of float32 at D = 2,880, which stays in the cache.
-# One token's logits of gpt-oss-20b (V 201,088) in a program compiled with the CPU inference
-# options (runtime.backend): 43 / 41 / 50 / 90 ms at 512 / 1,024 / 2,048 / 4,096 rows, 134 ms at
-# 16,384; 1,024 reads the table at ~28 GB/s, this machine's memory bandwidth. Other backends
+# One token's logits of gpt-oss-20b (V 201,088) with the CPU inference options
+# (runtime.backend) took 43 / 41 / 50 / 90 / 134 ms at 512 / 1,024 / 2,048 / 4,096 / 16,384
+# rows on a 2-core host; at 1,024 they read the table at its memory bandwidth. Other backends
 # multiply bfloat16 natively.
 CPU_VOCAB_CHUNK = 1024
 
@@ -173,7 +173,7 @@ def _after(carry: Any, xs: Any) -> tuple[Any, Any]:
     finished. Unrolled, the chunks are independent but for the carry, and XLA:TPU ran them side
     by side: 3.0 chunks of float32 logits live at once in a 4-chunk loss (1.0 with the
     barrier); gpt-oss-20b's 2-layer train step on v5p-32 at 8,192 tokens per chip held 15.58
-    GiB of temporaries, 13.17 with it, for +0.3 % bytes (docs/scaling.md)."""
+    GiB of temporaries, 13.17 with it, for +0.3 % bytes."""
     return jax.lax.optimization_barrier((carry, xs))
 
 
@@ -285,7 +285,7 @@ def cross_entropy_sum(
     group_chunks: int = 1,
 ) -> jax.Array:
     """sum_t weights_t (logsumexp(logits_t) - logits_t[target_t]) with logits = h W^T computed in
-    `dtype` with float32 results: the value and gradients of today's full-logits loss
+    `dtype` with float32 results: the value and gradients of the full-logits loss
     `(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights).sum()`.
     `weights_BT` (default all ones) is a loss mask or per-token weight: a token of weight 0
     adds nothing to the loss or to any gradient. Divide by the weights' sum for a mean.

@@ -86,8 +86,8 @@ def compile_fresh_on_cpu() -> None:
     """A multi-process run on CPU compiles its programs instead of loading them from the
     persistent compilation cache. With jaxlib 0.12.1, a program that process 0 loads from the
     cache never finishes its first collective between processes: every process waits in Gloo
-    for the others (found as a resumed two-process run that hung at its first step; jaxlib
-    0.12.0.1 and 0.10.2 run the same cached programs). CPU programs compile in seconds, so
+    for the others (jaxlib 0.12.0.1 and 0.10.2 run the same cached programs). CPU programs
+    compile in seconds, so
     the cache is off for every jaxlib rather than only for the one found broken; TPU and GPU
     runs keep it. Called once the distributed runtime is up, before anything compiles (JAX
     decides whether to use the cache at the first compile)."""

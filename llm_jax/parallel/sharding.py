@@ -10,8 +10,10 @@ a pod.
 Axis types are Auto: XLA propagates shardings from the annotated params, batch and activation
 constraints, which is what a pure train step wants. Explicit mode would make every einsum whose
 contracting dimension is sharded state its output sharding (`out_sharding=`), spreading mesh
-knowledge through every layer; the one place that must control communication exactly, the
-expert-parallel MoE, does so in `jax.shard_map` instead.
+knowledge through every layer. Where communication must be exact or a kernel is opaque to
+XLA's partitioner, the layer runs in `jax.shard_map` instead: the expert-parallel exchange and
+the grouped-matmul MoE (model/moe_parallel.py), and splash attention
+(kernels/splash_attention.py).
 """
 
 from __future__ import annotations

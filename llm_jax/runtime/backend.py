@@ -13,33 +13,26 @@ from typing import Any
 import jax
 
 # Compiler options of the inference programs (generation, the engine's prefill and decode,
-# scoring) on XLA:CPU, where gpt-oss-20b's packed weights fill most of a 24 GiB machine:
+# scoring) on XLA:CPU, where a large model's weights fill most of the host's memory:
 # - The memory-optimized scheduler. The default one orders a program for concurrency and
-#   ignores memory: with weights that only depend on parameters (a layer's slice, packed experts
-#   unpacked) it ran every layer's weight work first and kept all of it live: 12.9 GiB of
-#   temporaries in a 16-token prefill of 20b (74 GiB with the dense dispatch), 2.2 GiB with it.
-# - No while-loop invariant code motion. Loop-invariant work hoisted out of a loop lives for
-#   the whole loop: the 16-bit copies of the embedding and unembedding that XLA:CPU makes to
-#   gather or slice them (it has no bfloat16 data movement), and the float32 copies of every
-#   layer's attention weights (it has no bfloat16 matmul) stayed resident through the decode
-#   loop, and the vocabulary-chunked logits kept a copy of the whole table instead of reading
-#   one chunk at a time (gpt-oss-20b: 20.7 GiB peak decoding, 14.9 GiB without the pass; its
-#   decode as fast; the logits of one token 191 -> 42 ms and 1.3 GiB -> 11 MiB of temporaries;
-#   docs/benchmarks.md, issue 29).
-# The tiny config decodes as fast with both; its train step was 3-5 % slower with the scheduler,
-# so training keeps XLA's defaults.
+#   ignores memory: it ran every layer's weight-only work (a layer's slice, packed experts
+#   unpacked) before the first layer, all of it live at once (a 16-token prefill of gpt-oss-20b:
+#   12.9 GiB of temporaries, 74 GiB with the dense dispatch; 2.2 GiB with this scheduler).
+# - No while-loop invariant code motion. Hoisted out of a loop, work lives for the whole loop:
+#   the 16-bit copies of the embedding and unembedding that XLA:CPU makes to gather or slice
+#   them (it has no bfloat16 data movement), the float32 copies of every layer's attention
+#   weights (no bfloat16 matmul), and a copy of the whole table in the vocabulary-chunked
+#   logits (gpt-oss-20b decoding: 20.7 GiB peak with the pass, 14.9 GiB without, as fast).
+# Training keeps XLA's defaults: the scheduler made the tiny config's train step 3-5 % slower.
 NO_LOOP_INVARIANT_CODE_MOTION = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 CPU_INFERENCE_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
                          **NO_LOOP_INVARIANT_CODE_MOTION}
 # XLA:TPU: no while-loop invariant code motion either. A decode step takes each layer's slice of
-# the stacked weights with a constant index; in a sharded program libtpu dropped the
-# optimization barrier that ties the index to the layer's input
-# (`model.transformer._layer_slice`) before that pass ran (72 barriers before optimization,
-# none after), so the pass hoisted the slices out of the decode loop as copies: a second copy
-# of most layers' packed experts, live for the whole loop. gpt-oss-120b's generate (prompt
-# 4096) on v5e-8 needed 16.60 GB of 15.75 and compiles in 14.97 GiB without the pass;
-# gpt-oss-20b on v5e-1 needs 15.75 GiB either way. Training keeps the defaults; GPU keeps them
-# too (not measured).
+# the stacked weights with a constant index, tied to the layer's input by an optimization
+# barrier (`model.transformer._layer_slice`); in a sharded program libtpu can drop the barrier
+# before this pass runs, which then hoists every layer's slice out of the decode loop as a copy
+# (gpt-oss-120b's generate at prompt 4096 on v5e-8: 16.60 GB needed of 15.75 with the pass,
+# 14.97 GiB without). Training keeps the defaults; GPU keeps them too (not measured).
 INFERENCE_OPTIONS: dict[str, dict[str, str]] = {"cpu": CPU_INFERENCE_OPTIONS,
                                                 "tpu": NO_LOOP_INVARIANT_CODE_MOTION}
 

@@ -21,7 +21,7 @@ PACKED = ModelConfig(num_hidden_layers=1, num_experts=4, experts_per_token=2, vo
                      num_key_value_heads=2, sliding_window=4, initializer_range=0.2,
                      expert_format="mxfp4", moe_capacity_factor=4.0)  # E / k: nothing dropped
 RANK, ALPHA = 4, 8.0
-# Every dispatch of the table that the issue names; gmm runs its Pallas kernel in interpret mode
+# The dispatches a LoRA adapter is tested through; gmm runs its Pallas kernel in interpret mode
 # on CPU, expert_parallel without a mesh runs its local path.
 DISPATCHES = ["dense", "ragged", "gather", "blocked", "capacity", "expert_parallel", "gmm"]
 BITWISE_AT_STEP_0 = ("dense", "ragged", "expert_parallel", "gmm")  # measured on CPU

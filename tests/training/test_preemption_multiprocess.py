@@ -1,4 +1,4 @@
-"""Multi-process preemption (issue 16): the training CLI as two processes on 127.0.0.1, SIGTERM to
+"""Multi-process preemption: the training CLI as two processes on 127.0.0.1, SIGTERM to
 one of them, then (after a resume) to both. Each time both processes must stop after the same
 step, save it together and exit 143; the resumed run must equal an uninterrupted one bitwise (the
 loss at every logged step, the params saved at its preemption). Nothing listens or connects

@@ -42,7 +42,7 @@ from llm_jax.weights.checkpointing import Checkpointer, restore_params, tmp_left
 from llm_jax.weights.manifest import MANIFEST
 from llm_jax.weights.restore_check import RestoreError
 
-RNG = np.random.default_rng(8)  # issue 8: the kill points are random, and reproducible
+RNG = np.random.default_rng(8)  # the kill points are random, and reproducible
 
 
 def _cmd(workdir: Path, corpus_dir: str, **extra) -> list[str]:
@@ -370,7 +370,7 @@ def test_prompt_ids_outside_the_vocabulary_are_named():
         generate(model, [[-1]], max_new_tokens=2)
 
 
-# ---------------------------------------------------------------- restore failures (issue 16)
+# ---------------------------------------------------------------- restore failures
 
 
 def test_changed_optimizer_state_stops_the_run_and_moves_nothing(small_run, corpus_dir,

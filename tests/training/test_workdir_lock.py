@@ -1,4 +1,4 @@
-"""One writer per workdir (issue 16): a second training run on a workdir in use is refused,
+"""One writer per workdir: a second training run on a workdir in use is refused,
 naming the workdir and the holder, and a run killed with SIGKILL leaves no stale lock."""
 
 from __future__ import annotations

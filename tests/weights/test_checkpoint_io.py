@@ -314,7 +314,7 @@ def test_other_hf_model_types_are_refused_by_name(hf_dir):
         load_pretrained(hf_dir)
 
 
-# ---------------------------------------------------------------------- hostile files (issue 16)
+# ---------------------------------------------------------------------- hostile files
 def _raw(path: Path) -> tuple[dict, bytes]:
     """(header, data) of a safetensors file, as written."""
     blob = path.read_bytes()

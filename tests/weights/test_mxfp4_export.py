@@ -1,4 +1,4 @@
-"""MXFP4 export (issue 29): a packed model written in any layout (Hugging Face, OpenAI, llm_jax,
+"""MXFP4 export: a packed model written in any layout (Hugging Face, OpenAI, llm_jax,
 by the writers or by `python -m llm_jax.convert`) holds bitwise the MXFP4 bytes it was read
 from; `--expert_format` dequantizes exactly or quantizes with the error reported; and an
 OpenAI-layout export is one OpenAI's own loader (`gpt_oss.torch`, PyPI) reads, with the same

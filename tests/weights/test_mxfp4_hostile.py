@@ -1,4 +1,4 @@
-"""Hostile MXFP4 tensors (issue 29): wrong block or scale shapes, wrong dtypes, blocks without
+"""Hostile MXFP4 tensors: wrong block or scale shapes, wrong dtypes, blocks without
 scales (and the reverse), truncated data, in the OpenAI, Hugging Face and llm_jax layouts. Each
 is a ValueError naming the tensor and the file, raised before any tensor's data is read (so
 before anything sized by a hostile header is allocated). A checkpoint packed in some layers only

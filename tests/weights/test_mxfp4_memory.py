@@ -1,4 +1,4 @@
-"""Loading an MXFP4 checkpoint never holds the dense expert stack (issue 29): a child process
+"""Loading an MXFP4 checkpoint never holds the dense expert stack: a child process
 loads a checkpoint whose expert stacks would take DENSE_BYTES dense (bfloat16) and ~3.8x less
 packed, and its peak resident memory during the load must stay below what the dense stacks
 alone would take; the same load asked for expert_format="dense" exceeds it (the control: the

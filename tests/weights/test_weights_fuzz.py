@@ -1,4 +1,4 @@
-"""Seeded, bounded fuzzing of weight directories (issue 16): a few hundred mutations of safetensors
+"""Seeded, bounded fuzzing of weight directories: a few hundred mutations of safetensors
 headers, shard indexes and config.json files of tiny Hugging Face, OpenAI and llm_jax checkpoints.
 Every case must either load the weights that are on disk, or raise ValueError naming the file it
 broke; never another exception, never more than MAX_SECONDS. The cases run in a subprocess (this
