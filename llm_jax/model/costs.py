@@ -10,14 +10,14 @@ per token, F intermediate, W sliding window, T sequence length, B batch (sequenc
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax._src.ad_checkpoint import saved_residuals  # the list jax.ad_checkpoint.print_saved_residuals prints
+# What jax.ad_checkpoint.print_saved_residuals prints, as data (jax has no public name for it).
+from jax._src.ad_checkpoint import saved_residuals
 
 from llm_jax.config import ModelConfig
 from llm_jax.model.kv_cache import layer_slots
@@ -25,6 +25,7 @@ from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.model.moe_dispatch import capacity
 from llm_jax.model.mxfp4 import BITS_PER_VALUE
 from llm_jax.model.params import TRAINABLE
+from llm_jax.model.select import auto_moe
 from llm_jax.model.transformer import Transformer, abstract_model
 from llm_jax.parallel.sharding import MESH_AXES, logical_axes, logical_to_spec, spec_axes
 from llm_jax.runtime.backend import compiling_for
@@ -281,10 +282,13 @@ MEMORY_ASSUMPTIONS = (
 )
 
 
-def _logical_dims(shape: tuple[int, ...], sizes: dict[str, int], stacked: bool) -> list:
+def _logical_dims(shape: tuple[int, ...], sizes: dict[str, int], stacked: bool,
+                  rows_split: bool) -> list:
     """Logical names of a saved activation's dimensions, read from their sizes: a leading
     layers axis (scan outputs), then tokens (batch, batch x time or assignments) or experts
-    first, and heads, kv heads, mlp, experts or vocab wherever a size names one alone."""
+    first, and heads, kv heads, mlp, experts or vocab wherever a size names one alone.
+    `rows_split`: the dispatch runs in `shard_map` over the batch axes, so the rows of what it
+    saves (its slots) are laid out over them too."""
     names: list[str | None] = [None] * len(shape)
     i = 0
     if stacked and shape and shape[0] == sizes["L"]:
@@ -296,6 +300,8 @@ def _logical_dims(shape: tuple[int, ...], sizes: dict[str, int], stacked: bool) 
             names[i] = "batch"
         elif first == sizes["E"]:
             names[i] = "experts"
+        elif rows_split:
+            names[i] = "batch"
     ambiguous = {sizes["D"], sizes["T"], sizes["H"], sizes["B"]}
     by_size = {}
     for name, key in (("vocab", "V"), ("mlp", "F2"), ("mlp", "F"), ("experts", "E"),
@@ -314,6 +320,16 @@ def _shard_count(shape, names, mesh: dict[str, int]) -> int:
         k = math.prod(mesh[a] for a in spec_axes(entry))
         count *= k if n % k == 0 else 1
     return count
+
+
+# One layer's backward pass at the step's peak, as a multiple of what the layer saves: part of
+# its gradients while its saved set is freed; with remat, the recomputed set and its gradients.
+# Fitted to XLA's compiled schedule of the test's capacity-dispatch cases (CPU, 8 devices).
+WORKING = 0.5
+REMAT_WORKING = 1.4
+
+# Dispatches that run in `jax.shard_map` over the batch axes (model/moe_parallel.py).
+SHARD_MAP_DISPATCHES = ("gmm", "expert_parallel", "expert_parallel_gmm")
 
 
 class Adapters(NamedTuple):
@@ -358,20 +374,24 @@ def _saved_activations(cfg: ModelConfig, adapters: Adapters | None, batch: int,
                        ) -> tuple[float, float]:
     """(bytes per device the loss's forward pass saves for its backward pass, the part of them
     one layer saves), traced for `platform` on an abstract `mesh`."""
-    trained = LoRAParam if adapters is not None else TRAINABLE
-    graphdef, params, frozen = nnx.split(_abstract_train_model(cfg, adapters), trained, ...)
+    # Every parameter is differentiated here (a frozen one is an argument all the same, never
+    # saved); what it adds is the layer inputs its gradient would need, saved for the trained
+    # weights beside it anyway.
+    graphdef, params = nnx.split(_abstract_train_model(cfg, adapters), nnx.Param)
 
-    def loss(params, frozen, tokens):
-        m = nnx.merge(graphdef, params, jax.lax.stop_gradient(frozen))
+    def loss(params, tokens):
+        m = nnx.merge(graphdef, params)
         h, aux, _ = m.hidden_states(tokens, train=True)
         return m.cross_entropy_sum(h, tokens) + aux.load_balancing_loss.mean() \
             + aux.router_z_loss.mean()
 
     abstract = jax.sharding.AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES)
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-    with jax.sharding.use_abstract_mesh(abstract), compiling_for(platform):
-        saved = saved_residuals(loss, params, frozen, tokens)
     n = batch * seq_len
+    with jax.sharding.use_abstract_mesh(abstract), compiling_for(platform):
+        saved = saved_residuals(loss, params, tokens)
+        dispatch = cfg.moe_dispatch if cfg.moe_dispatch != "auto" else auto_moe(cfg, n)
+    rows_split = dispatch in SHARD_MAP_DISPATCHES
     sizes = {"L": cfg.num_hidden_layers, "B": batch, "T": seq_len, "tokens": n,
              "assignments": n * cfg.experts_per_token, "E": cfg.num_experts,
              "N": cfg.num_attention_heads, "K": cfg.num_key_value_heads, "H": cfg.head_dim,
@@ -382,11 +402,9 @@ def _saved_activations(cfg: ModelConfig, adapters: Adapters | None, batch: int,
         if "argument" in source:  # a parameter: already counted
             continue
         stacked = "scan" in source and aval.ndim > 0 and aval.shape[0] == sizes["L"]
-        names = _logical_dims(aval.shape, sizes, stacked)
+        names = _logical_dims(aval.shape, sizes, stacked, rows_split)
         nbytes = aval.size * aval.dtype.itemsize / _shard_count(aval.shape, names, mesh)
         total += nbytes
-        if os.environ.get("MEMDEBUG"):
-            print(f"{nbytes / 2**20:9.3f} MiB {aval.str_short():30} {names} {source[-60:]}")
         if names and names[0] == "layers":
             per_layer += nbytes / sizes["L"]
     return total, per_layer
@@ -407,10 +425,16 @@ def memory_per_device(
             f"{','.join(f'{a}={n}' for a, n in batch_axes.items())}: expected a multiple of "
             f"{' x '.join(batch_axes)} = {batch_shards}")
     state = state_bytes(cfg, mesh, adapters)
-    saved, layer = _saved_activations(cfg, adapters, batch, seq_len, mesh, platform)
-    if cfg.remat:  # the backward pass recomputes one layer's whole saved set
-        layer += _saved_activations(cfg.replace(remat=False), adapters, batch, seq_len, mesh,
-                                    platform)[1]
+    # Remat recomputes a layer only inside the layer scan: unrolled (scan_layers=False), XLA
+    # merges the recomputation with the forward pass it repeats (jax.checkpoint's
+    # prevent_cse=False), so the program saves what it saves without remat.
+    traced = cfg.replace(remat=cfg.remat and cfg.scan_layers)
+    saved, layer = _saved_activations(traced, adapters, batch, seq_len, mesh, platform)
+    if traced.remat:  # the backward pass recomputes one layer's saved set, then its gradients
+        layer = REMAT_WORKING * _saved_activations(
+            traced.replace(remat=False), adapters, batch, seq_len, mesh, platform)[1]
+    else:  # the last layer's gradients, as its saved set is freed
+        layer *= WORKING
     tokens = batch // batch_shards * seq_len
     vocab = cfg.vocab_size / _shard_count((cfg.vocab_size,), ("vocab",), mesh)
     loss = (cfg.loss_group_chunks + 1) * min(tokens, cfg.loss_chunk_tokens) * vocab * 4
