@@ -286,13 +286,18 @@ def _logical_dims(shape: tuple[int, ...], sizes: dict[str, int], stacked: bool,
                   rows_split: bool) -> list:
     """Logical names of a saved activation's dimensions, read from their sizes: a leading
     layers axis (scan outputs), then tokens (batch, batch x time or assignments) or experts
-    first, and heads, kv heads, mlp, experts or vocab wherever a size names one alone.
+    first, and heads, kv heads, mlp, experts or vocab wherever a size names one alone; an
+    expert stack's shape [E, D, 2F] or [E, F, D] carries its parameter's names.
     `rows_split`: the dispatch runs in `shard_map` over the batch axes, so the rows of what it
     saves (its slots) are laid out over them too."""
     names: list[str | None] = [None] * len(shape)
     i = 0
     if stacked and shape and shape[0] == sizes["L"]:
         names[0], i = "layers", 1
+    weights = {(sizes["E"], sizes["D"], sizes["F2"]): ("experts", "embed", "mlp"),
+               (sizes["E"], sizes["F"], sizes["D"]): ("experts", "mlp", "embed")}
+    if tuple(shape[i:]) in weights:  # an expert stack (cast, unpacked or adapted): as its param
+        return names[:i] + list(weights[tuple(shape[i:])])
     if i < len(shape):
         first, second = shape[i], (shape[i + 1] if i + 1 < len(shape) else None)
         if first in (sizes["tokens"], sizes["assignments"]) or (
