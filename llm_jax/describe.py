@@ -108,7 +108,8 @@ FIELD_DOCS: dict[str, str] = {
                      "RMSNorm)",
     "norm_type": "rms (gpt-oss) or layer (LayerNorm, only to compare against)",
     "remat": "recompute each layer in the backward pass: saved activations drop to the layer "
-             "inputs, for ~1 extra forward",
+             "inputs, for ~1 extra forward (inside the layer scan: unrolled, XLA may merge "
+             "the recomputation with the forward pass)",
     "scan_layers": "True: one lax.scan over the stacked layers (compile time flat in depth); "
                    "False: the loop unrolled (no stacked carry buffers; faster for few layers)",
     "loss_chunk_tokens": "tokens per device in one chunk of the fused unembedding + loss: each "
