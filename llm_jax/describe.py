@@ -1,7 +1,8 @@
 """`python -m llm_jax.describe`: what a config costs, and what each of its numbers controls.
 
     python -m llm_jax.describe --config configs/tiny.py [--config.model.FIELD=V ...]
-        [--seq_len T] [--batch B] [--mesh data=2,fsdp=4,tensor=1,expert=1] [--json] [--shardings]
+        [--seq_len T] [--batch B] [--mesh data=2,fsdp=4,tensor=1,expert=1] [--platform tpu]
+        [--json] [--shardings]
 
 The report (`report`, printed by `format_report`, or as JSON): every field of the run config
 with what it controls, then parameters, FLOPs per token, the KV cache, memory per device for
@@ -107,7 +108,8 @@ FIELD_DOCS: dict[str, str] = {
                      "RMSNorm)",
     "norm_type": "rms (gpt-oss) or layer (LayerNorm, only to compare against)",
     "remat": "recompute each layer in the backward pass: saved activations drop to the layer "
-             "inputs, for ~1 extra forward",
+             "inputs, for ~1 extra forward (inside the layer scan: unrolled, XLA may merge "
+             "the recomputation with the forward pass)",
     "scan_layers": "True: one lax.scan over the stacked layers (compile time flat in depth); "
                    "False: the loop unrolled (no stacked carry buffers; faster for few layers)",
     "loss_chunk_tokens": "tokens per device in one chunk of the fused unembedding + loss: each "
@@ -184,8 +186,10 @@ def report(
     seq_len: int | None = None,
     batch: int | None = None,
     mesh: dict[str, int] | None = None,
+    platform: str = "tpu",
 ) -> dict[str, Any]:
-    """The whole report as JSON-able data (what --json prints)."""
+    """The whole report as JSON-able data (what --json prints); memory for `platform`'s
+    kernels (model/select.py)."""
     cfg = _model_of(run_cfg)
     seq_len = run_cfg.data.seq_len if seq_len is None else seq_len
     batch = run_cfg.train.batch_size if batch is None else batch
@@ -230,10 +234,12 @@ def report(
                                                   num_kv_heads=cfg.num_attention_heads),
             "table": kv_cache_table(cfg),
         },
-        "memory_per_device": memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh),
+        "memory_per_device": memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh,
+                                               platform=platform),
         "inference_memory_per_device": inference_memory_per_device(
             cfg, batch=batch, context=seq_len, mesh=mesh),
-        "finetune_memory_per_device": _finetune_memory(run_cfg, cfg, batch, seq_len, mesh),
+        "finetune_memory_per_device": _finetune_memory(run_cfg, cfg, batch, seq_len, mesh,
+                                                       platform),
         "kernels": {p: kernels_line(cfg, batch, seq_len, p) for p in ("cpu", "gpu", "tpu")},
     }
 
@@ -248,13 +254,14 @@ def _model_of(run_cfg: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def _finetune_memory(run_cfg: ml_collections.ConfigDict, cfg: ModelConfig, batch: int,
-                     seq_len: int, mesh: dict[str, int]) -> dict[str, Any]:
+                     seq_len: int, mesh: dict[str, int], platform: str) -> dict[str, Any]:
     """Full vs LoRA fine-tuning at the config's lora.rank (rank 16 when it is 0)."""
     lora = run_cfg.get("lora") or ml_collections.ConfigDict({"rank": 0, "targets": ""})
     targets = tuple(t.strip() for t in lora.targets.split(",") if t.strip()) or (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
     return finetune_memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh,
-                                      rank=lora.rank or 16, targets=targets)
+                                      rank=lora.rank or 16, targets=targets,
+                                      alpha=lora.get("alpha", 16.0), platform=platform)
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -297,10 +304,10 @@ def format_report(r: dict[str, Any]) -> str:
 
     m = r["memory_per_device"]
     mesh = ",".join(f"{a}={n}" for a, n in m["mesh"].items())
-    lines += ["", f"## Memory per device (training; mesh {mesh}: {m['devices']} devices, "
-              f"{m['tokens_per_device']} tokens each)"]
+    lines += ["", f"## Memory per device (training on {m['platform']}; mesh {mesh}: "
+              f"{m['devices']} devices, {m['tokens_per_device']} tokens each)"]
     lines += [f"{n:<12} {format_bytes(m[n]):>11}" for n in
-              ("params", "grads", "adam_m_v", "activations", "total")]
+              ("params", "grads", "adam_m_v", "activations", "working", "total")]
     lines += ["assumptions:"] + [f"- {a}" for a in m["assumptions"]]
     inf = r["inference_memory_per_device"]
     lines += ["", f"## Memory per device (inference: batch {inf['batch']}, context "
@@ -315,7 +322,7 @@ def format_report(r: dict[str, Any]) -> str:
     if p["expert_format"] == "mxfp4":
         lines.append("(experts packed: QLoRA; 'full' trains all but the frozen packed experts)")
     lines += [f"{n:<14} {format_bytes(ft['full'].get(n, 0.0)):>11} {format_bytes(ft['lora'][n]):>11}"
-              for n in ("params", "grads", "adam_m_v", "adapted_layer", "activations", "total")]
+              for n in ("params", "grads", "adam_m_v", "activations", "working", "total")]
     lines += [f"- {a}" for a in ft["assumptions"]]
     return "\n".join(lines)
 
@@ -325,7 +332,8 @@ def main(argv: list[str]) -> None:
     FLAGS = flags.FLAGS
     try:
         mesh = parse_mesh(FLAGS.mesh)
-        result = report(FLAGS.config, seq_len=FLAGS.seq_len, batch=FLAGS.batch, mesh=mesh)
+        result = report(FLAGS.config, seq_len=FLAGS.seq_len, batch=FLAGS.batch, mesh=mesh,
+                        platform=FLAGS.platform)
     except ValueError as e:
         fail("llm_jax.describe", e)
     if FLAGS.shardings:
@@ -342,6 +350,8 @@ def cli() -> None:
     flags.DEFINE_integer("seq_len", None, "sequence length T (default: config data.seq_len)")
     flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
     flags.DEFINE_string("mesh", "", "mesh axis sizes, e.g. data=2,fsdp=4,tensor=1,expert=1")
+    flags.DEFINE_enum("platform", "tpu", ["tpu", "gpu", "cpu"], "the backend whose kernels "
+                      "the memory estimate traces (model/select.py: auto picks by backend)")
     flags.DEFINE_bool("json", False, "print the report as JSON")
     flags.DEFINE_bool("shardings", False, "also list every parameter's logical axes, "
                       "PartitionSpec and per-device shard shape on --mesh")

@@ -1,6 +1,7 @@
 """What a config costs: its parameters, FLOPs, KV cache and memory per device, as arithmetic on
-the config (nothing is allocated). The report of `python -m llm_jax.describe` (llm_jax/describe.py)
-prints these numbers, the trainer's MFU uses `flops_per_token` and the generation code's cache
+the config, and for a training step's memory from the abstract model and a trace of its loss
+(nothing is allocated). The report of `python -m llm_jax.describe` (llm_jax/describe.py) prints
+these numbers, the trainer's MFU uses `flops_per_token` and the generation code's cache
 `kv_cache_lengths` and `kv_cache_bytes`: one set of formulas.
 
 Notation: L layers, D hidden, V vocab, N q heads, K kv heads, H head_dim, E experts, k experts
@@ -10,18 +11,25 @@ per token, F intermediate, W sliding window, T sequence length, B batch (sequenc
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# What jax.ad_checkpoint.print_saved_residuals prints, as data (jax has no public name for it).
+from jax._src.ad_checkpoint import saved_residuals
+
 from llm_jax.config import ModelConfig
 from llm_jax.model.kv_cache import layer_slots
+from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.model.moe_dispatch import capacity
 from llm_jax.model.mxfp4 import BITS_PER_VALUE
-from llm_jax.model.transformer import abstract_model
-from llm_jax.parallel.sharding import logical_to_spec, spec_axes
+from llm_jax.model.params import TRAINABLE
+from llm_jax.model.select import auto_moe
+from llm_jax.model.transformer import Transformer, abstract_model
+from llm_jax.parallel.sharding import MESH_AXES, logical_axes, logical_to_spec, spec_axes
+from llm_jax.runtime.backend import compiling_for
 from llm_jax.runtime.units import format_si
 
 # ---------------------------------------------------------------------------------------------
@@ -259,72 +267,200 @@ def kv_cache_table(cfg: ModelConfig, *, batch: int = 1) -> list[dict[str, Any]]:
 # Memory per device.
 
 MEMORY_ASSUMPTIONS = (
-    "weights (as the logical-axis rules of llm_jax.parallel.sharding): embed over fsdp (taken here as "
-    "every parameter: the few embed-less biases and sinks are negligible); heads, kv heads, mlp "
-    "and vocab over tensor; experts over expert (router, expert weights); ideal division",
-    "grads in param dtype; Adam m and v in float32, sharded like the params",
-    "activations sharded over data x fsdp x expert (the batch, as the rules say); tensor "
-    "sharding of activations ignored (an upper bound)",
-    "saved per layer per token without remat (compute dtype): layer input, attn-norm out, q k v "
-    "after RoPE, attention out, residual, mlp-norm out, and per expert slot its input, 2F "
-    "pre-activation, F SwiGLU out and D output; float32: attention probabilities (N x T: the "
-    "einsum path materialises the T x T matrix) and router logits (E)",
-    "with remat: the layer inputs, plus one layer's full set while it is recomputed",
-    "after the layers: final-norm out (compute dtype), logits and log-softmax (2 V float32)",
-    "not counted: XLA temporaries, fragmentation, the data pipeline, compiled code",
+    "params, gradients and Adam m and v: every variable of the abstract model (with its LoRA "
+    "adapters), split over the mesh as llm_jax.parallel.sharding.RULES maps its logical axes, "
+    "exactly as the train step lays out its state; gradients and moments for the trained ones "
+    "only, in each one's dtype (packed MXFP4 experts and a LoRA base are frozen)",
+    "activations: what the forward pass of the step's loss saves for the backward pass "
+    "(jax's saved residuals of the same model code: dispatch, attention, loss chunks, remat and "
+    "layer scan as configured), each split over the batch axes when it is laid out by tokens, "
+    "over expert by experts and over tensor by heads, mlp or vocab (RULES); expert slots of "
+    "the capacity and blocked dispatches hold the whole batch's assignments on every device",
+    "working: the larger of one group of loss chunks ([tokens, vocab] float32 logits and "
+    "their gradient) and one layer's backward pass: WORKING x what the layer saves (its "
+    "gradients as its saved set is freed), or with remat REMAT_WORKING x what it saves without "
+    "remat (the recomputed set and its gradients); factors fitted to XLA's compiled schedule",
+    "remat only inside the layer scan (scan_layers=True): with the layers unrolled XLA may "
+    "merge the recomputation with the forward pass it repeats, so the step is priced without "
+    "remat (an upper bound)",
+    "not counted: the compiler's buffer packing (XLA:CPU adds up to a third over the live "
+    "peak), the data pipeline, compiled code",
 )
 
 
-def param_shards(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, tuple[float, int]]:
-    """Per component: (mean bytes per stored value, number of shards); packed experts average
-    their 4.25-bit matrices with their biases (`param_bytes`)."""
-    f, t, e = mesh["fsdp"], mesh["tensor"], mesh["expert"]
-    shards = {"embedding": f * t, "q": f * t, "k": f * t, "v": f * t, "o": f * t,
-              "sinks": f * t, "router": f * e, "experts": f * t * e, "norms": f,
-              "unembedding": f * t}
-    counts, nbytes = param_counts(cfg), param_bytes(cfg)
-    return {n: (nbytes[n] / counts[n], s) for n, s in shards.items()}
+def _logical_dims(shape: tuple[int, ...], sizes: dict[str, int], stacked: bool,
+                  rows_split: bool) -> list:
+    """Logical names of a saved activation's dimensions, read from their sizes: a leading
+    layers axis (scan outputs), then tokens (batch, batch x time or assignments) or experts
+    first, and heads, kv heads, mlp, experts or vocab wherever a size names one alone; an
+    expert stack's shape [E, D, 2F] or [E, F, D] carries its parameter's names.
+    `rows_split`: the dispatch runs in `shard_map` over the batch axes, so the rows of what it
+    saves (its slots) are laid out over them too."""
+    names: list[str | None] = [None] * len(shape)
+    i = 0
+    if stacked and shape and shape[0] == sizes["L"]:
+        names[0], i = "layers", 1
+    weights = {(sizes["E"], sizes["D"], sizes["F2"]): ("experts", "embed", "mlp"),
+               (sizes["E"], sizes["F"], sizes["D"]): ("experts", "mlp", "embed")}
+    if tuple(shape[i:]) in weights:  # an expert stack (cast, unpacked or adapted): as its param
+        return names[:i] + list(weights[tuple(shape[i:])])
+    if i < len(shape):
+        first, second = shape[i], (shape[i + 1] if i + 1 < len(shape) else None)
+        if first in (sizes["tokens"], sizes["assignments"]) or (
+                first == sizes["B"] and second in (None, sizes["T"], sizes["K"], sizes["N"])):
+            names[i] = "batch"
+        elif first == sizes["E"]:
+            names[i] = "experts"
+        elif rows_split:
+            names[i] = "batch"
+    ambiguous = {sizes["D"], sizes["T"], sizes["H"], sizes["B"]}
+    by_size = {}
+    for name, key in (("vocab", "V"), ("mlp", "F2"), ("mlp", "F"), ("experts", "E"),
+                      ("kv_heads", "K"), ("heads", "N")):
+        if sizes[key] not in ambiguous:
+            by_size.setdefault(sizes[key], name)
+    return [n or by_size.get(size) for n, size in zip(names, shape)]
 
 
-def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, num_tokens: int) -> float:
-    """Bytes saved for the backward pass per token (see MEMORY_ASSUMPTIONS)."""
-    D, V, E, F = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.intermediate_size
-    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    c = jnp.dtype(cfg.dtype).itemsize
-    slots = expert_slots_per_token(cfg, num_tokens)
-    layer = c * (4 * D + (N + 2 * K) * H + N * H + slots * (2 * D + 3 * F)) + 4 * (N * seq_len + E)
-    final = c * D + 4 * 2 * V
-    if cfg.remat:
-        return cfg.num_hidden_layers * c * D + layer + final
-    return cfg.num_hidden_layers * layer + final
+def _shard_count(shape, names, mesh: dict[str, int]) -> int:
+    """How many ways `mesh` splits an array of `shape` with logical `names` (RULES), counting a
+    dimension only where its axes divide it (as `constrain` does)."""
+    spec = logical_to_spec(names)
+    count = 1
+    for n, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        k = math.prod(mesh[a] for a in spec_axes(entry))
+        count *= k if n % k == 0 else 1
+    return count
+
+
+# One layer's backward pass at the step's peak, as a multiple of what the layer saves: part of
+# its gradients while its saved set is freed; with remat, the recomputed set and its gradients.
+# Fitted to XLA's compiled schedule of the test's capacity-dispatch cases (CPU, 8 devices).
+WORKING = 0.5
+REMAT_WORKING = 1.4
+
+# Dispatches that run in `jax.shard_map` over the batch axes (model/moe_parallel.py).
+SHARD_MAP_DISPATCHES = ("gmm", "expert_parallel", "expert_parallel_gmm")
+
+
+class Adapters(NamedTuple):
+    """LoRA adapters of a fine-tuning run (model/lora.py): the base is frozen."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+
+def _abstract_train_model(cfg: ModelConfig, adapters: Adapters | None) -> nnx.Module:
+    def build() -> nnx.Module:
+        model = Transformer(cfg, rngs=nnx.Rngs(params=0))
+        if adapters is not None:
+            add_lora(model, rank=adapters.rank, alpha=adapters.alpha, targets=adapters.targets,
+                     seed=0)
+        return model
+
+    return nnx.eval_shape(build)
+
+
+def _variable_bytes(v: nnx.Variable, mesh: dict[str, int]) -> float:
+    """Bytes of one device's shard of a parameter, laid out by its logical axes (RULES)."""
+    names = tuple(v.get_metadata().get("out_sharding") or ())
+    return math.prod(v.shape) * v.dtype.itemsize / _shard_count(v.shape, names, mesh)
+
+
+def state_bytes(cfg: ModelConfig, mesh: dict[str, int],
+                adapters: Adapters | None = None) -> dict[str, float]:
+    """Per device: every parameter, and the trained ones (TRAINABLE, or the adapters alone),
+    as the train step shards its state."""
+    model = _abstract_train_model(cfg, adapters)
+    trained = LoRAParam if adapters is not None else TRAINABLE
+    leaves = lambda f: jax.tree.leaves(  # noqa: E731
+        nnx.state(model, f), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return {"params": sum(_variable_bytes(v, mesh) for v in leaves(nnx.Param)),
+            "trained": sum(_variable_bytes(v, mesh) for v in leaves(trained))}
+
+
+def _saved_activations(cfg: ModelConfig, adapters: Adapters | None, batch: int,
+                       seq_len: int, mesh: dict[str, int], platform: str
+                       ) -> tuple[float, float]:
+    """(bytes per device the loss's forward pass saves for its backward pass, the part of them
+    one layer saves), traced for `platform` on an abstract `mesh`."""
+    # Every parameter is differentiated here (a frozen one is an argument all the same, never
+    # saved); what it adds is the layer inputs its gradient would need, saved for the trained
+    # weights beside it anyway.
+    graphdef, params = nnx.split(_abstract_train_model(cfg, adapters), nnx.Param)
+
+    def loss(params, tokens):
+        m = nnx.merge(graphdef, params)
+        h, aux, _ = m.hidden_states(tokens, train=True)
+        return m.cross_entropy_sum(h, tokens) + aux.load_balancing_loss.mean() \
+            + aux.router_z_loss.mean()
+
+    abstract = jax.sharding.AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    n = batch * seq_len
+    with jax.sharding.use_abstract_mesh(abstract), compiling_for(platform):
+        saved = saved_residuals(loss, params, tokens)
+        dispatch = cfg.moe_dispatch if cfg.moe_dispatch != "auto" else auto_moe(cfg, n)
+    rows_split = dispatch in SHARD_MAP_DISPATCHES
+    sizes = {"L": cfg.num_hidden_layers, "B": batch, "T": seq_len, "tokens": n,
+             "assignments": n * cfg.experts_per_token, "E": cfg.num_experts,
+             "N": cfg.num_attention_heads, "K": cfg.num_key_value_heads, "H": cfg.head_dim,
+             "D": cfg.hidden_size, "F": cfg.intermediate_size, "F2": 2 * cfg.intermediate_size,
+             "V": cfg.vocab_size}
+    total = per_layer = 0.0
+    for aval, source in saved:
+        if "argument" in source:  # a parameter: already counted
+            continue
+        stacked = "scan" in source and aval.ndim > 0 and aval.shape[0] == sizes["L"]
+        names = _logical_dims(aval.shape, sizes, stacked, rows_split)
+        nbytes = aval.size * aval.dtype.itemsize / _shard_count(aval.shape, names, mesh)
+        total += nbytes
+        if names and names[0] == "layers":
+            per_layer += nbytes / sizes["L"]
+    return total, per_layer
 
 
 def memory_per_device(
-    cfg: ModelConfig, *, batch: int, seq_len: int, mesh: dict[str, int]
+    cfg: ModelConfig, *, batch: int, seq_len: int, mesh: dict[str, int],
+    adapters: Adapters | None = None, platform: str = "tpu",
 ) -> dict[str, Any]:
-    """Estimated bytes per device of params, grads, Adam m + v and activations (training)."""
-    batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
+    """Estimated bytes per device of a training step (MEMORY_ASSUMPTIONS): params, gradients,
+    Adam m + v, saved activations and the backward pass's working set, for `platform`'s
+    kernels. `adapters`: LoRA fine-tuning (only the adapters trained)."""
+    batch_axes = {a: mesh[a] for a in logical_axes(("batch",))}
+    batch_shards = math.prod(batch_axes.values())
     if batch % batch_shards:
         raise ValueError(
-            f"--batch={batch} is invalid for --mesh data={mesh['data']},fsdp={mesh['fsdp']},"
-            f"expert={mesh['expert']}: expected a multiple of data x fsdp x expert = "
-            f"{batch_shards}")
-    counts, trained = param_counts(cfg), trainable_counts(cfg)
-    shards = param_shards(cfg, mesh)
-    params = sum(counts[n] * b / s for n, (b, s) in shards.items())
-    grads = sum(trained[n] * b / s for n, (b, s) in shards.items())
-    adam = sum(trained[n] * 2 * 4 / s for n, (_, s) in shards.items())
+            f"--batch={batch} is invalid for --mesh "
+            f"{','.join(f'{a}={n}' for a, n in batch_axes.items())}: expected a multiple of "
+            f"{' x '.join(batch_axes)} = {batch_shards}")
+    state = state_bytes(cfg, mesh, adapters)
+    # Remat recomputes a layer only inside the layer scan: unrolled (scan_layers=False), XLA may
+    # merge the recomputation with the forward pass it repeats (jax.checkpoint's
+    # prevent_cse=False): the small model of the tests saves all it saves without remat, the
+    # tiny config part of it. Priced without remat there: an upper bound.
+    traced = cfg.replace(remat=cfg.remat and cfg.scan_layers)
+    saved, layer = _saved_activations(traced, adapters, batch, seq_len, mesh, platform)
+    if traced.remat:  # the backward pass recomputes one layer's saved set, then its gradients
+        layer = REMAT_WORKING * _saved_activations(
+            traced.replace(remat=False), adapters, batch, seq_len, mesh, platform)[1]
+    else:  # the last layer's gradients, as its saved set is freed
+        layer *= WORKING
     tokens = batch // batch_shards * seq_len
-    activations = tokens * activation_bytes_per_token(cfg, seq_len, batch * seq_len)
-    out = {"params": params, "grads": grads, "adam_m_v": adam, "activations": activations}
+    vocab = cfg.vocab_size / _shard_count((cfg.vocab_size,), ("vocab",), mesh)
+    loss = (cfg.loss_group_chunks + 1) * min(tokens, cfg.loss_chunk_tokens) * vocab * 4
+    out = {"params": state["params"], "grads": state["trained"],
+           "adam_m_v": 2 * state["trained"], "activations": saved, "working": max(layer, loss)}
     out["total"] = sum(out.values())
     out.update(mesh=mesh, devices=math.prod(mesh.values()), tokens_per_device=tokens,
-               assumptions=list(MEMORY_ASSUMPTIONS))
+               platform=platform, assumptions=list(MEMORY_ASSUMPTIONS))
     return out
 
 
 INFERENCE_ASSUMPTIONS = (
-    "weights sharded as for training (param_bytes: packed experts at 4.25 bits a value)",
+    "weights sharded as the train step shards its params (state_bytes: RULES; packed experts "
+    "at 4.25 bits a value)",
     "KV cache (costs.kv_cache_bytes, compute dtype) over the batch's mesh axes and kv heads "
     "over tensor, ideal division",
     "unpacked experts: the widest the dispatches unpack at once, in compute dtype: a prefill "
@@ -340,8 +476,7 @@ def inference_memory_per_device(cfg: ModelConfig, *, batch: int, context: int,
                                 mesh: dict[str, int]) -> dict[str, Any]:
     """Estimated bytes per device to generate: weights + KV cache of `batch` sequences of up
     to `context` positions + the widest unpacked expert stack + logits (INFERENCE_ASSUMPTIONS)."""
-    counts, shards = param_counts(cfg), param_shards(cfg, mesh)
-    weights = sum(counts[n] * b / s for n, (b, s) in shards.items())
+    weights = state_bytes(cfg, mesh)["params"]
     batch_shards = max(1, min(batch, mesh["data"] * mesh["fsdp"] * mesh["expert"]))
     kv = kv_cache_bytes(cfg, context, batch=batch) / batch_shards / min(
         mesh["tensor"], cfg.num_key_value_heads)

@@ -1,9 +1,10 @@
 """What fine-tuning costs per device: full (every weight trained) vs LoRA (adapters only).
 
-Full fine-tuning is training: `costs.memory_per_device`. LoRA keeps the base (param_dtype,
-e.g. bfloat16) and trains float32 adapters: gradients and Adam moments exist for the adapters
-only. Because `lora.adapted` forms `w + (alpha/r) A B` inside the layer, one layer's adapted
-weights and their gradient (float32, sharded like the base) are live at a time.
+Both are `costs.memory_per_device` of the step that trains them: full fine-tuning is training;
+LoRA adds the adapters (model/lora.py) to the same abstract model and trains only them, so
+gradients and Adam moments exist for the adapters alone and the base (packed MXFP4 experts
+included: QLoRA) is read, never updated. Where `lora.adapted` forms `w + (alpha/r) A B` inside
+a layer, that float32 weight is among what the layer saves for its backward pass.
 """
 
 from __future__ import annotations
@@ -11,17 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from llm_jax.config import ModelConfig
-from llm_jax.model.costs import memory_per_device, param_shards
-
-_COMPONENT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
-              "gate_up_proj": "experts", "down_proj": "experts"}
+from llm_jax.model.costs import Adapters, memory_per_device
 
 LORA_ASSUMPTIONS = (
-    "LoRA: base weights in param_dtype, frozen (no grads, no Adam moments); adapters A, B in "
-    "float32 with float32 grads and Adam m + v, sharded like the weight they adapt",
-    "LoRA: one layer's adapted weights w + (alpha/r) A B and their gradient in float32 are live "
-    "at a time (the layer scan), sharded like the base",
-    "LoRA: activations as for full training (the adapters add r-wide terms, ignored)",
+    "LoRA: the same step's memory with adapters A, B (float32) on the targets; only they have "
+    "gradients and Adam m + v; the base is frozen in its stored format",
 )
 
 
@@ -50,21 +45,14 @@ def lora_param_counts(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> 
 
 
 def finetune_memory_per_device(cfg: ModelConfig, *, batch: int, seq_len: int,
-                               mesh: dict[str, int], rank: int,
-                               targets: tuple[str, ...]) -> dict[str, Any]:
-    """{"full": bytes by part, "lora": bytes by part}, per device."""
-    full = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh)
-    shards = param_shards(cfg, mesh)
-    adapters = sum(n * 4 / shards[_COMPONENT[t]][1]
-                   for t, n in lora_param_counts(cfg, rank, targets).items())
-    shapes = weight_shapes(cfg)
-    layer = sum(_prod(b) * _prod(i) * _prod(o) * 4 / shards[_COMPONENT[t]][1]
-                for t, (b, i, o) in ((t, shapes[t]) for t in targets))
-    lora = {"params": full["params"] + adapters, "grads": adapters, "adam_m_v": 2 * adapters,
-            "adapted_layer": 2 * layer, "activations": full["activations"]}
-    lora["total"] = sum(lora.values())
-    parts = ("params", "grads", "adam_m_v", "activations", "total")
-    return {"full": {k: full[k] for k in parts}, "lora": lora, "rank": rank,
-            "targets": list(targets),
+                               mesh: dict[str, int], rank: int, targets: tuple[str, ...],
+                               alpha: float = 16.0, platform: str = "tpu") -> dict[str, Any]:
+    """{"full": bytes by part, "lora": bytes by part}, per device (`memory_per_device`)."""
+    parts = ("params", "grads", "adam_m_v", "activations", "working", "total")
+    full = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh, platform=platform)
+    lora = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh, platform=platform,
+                             adapters=Adapters(rank, alpha, tuple(targets)))
+    return {"full": {k: full[k] for k in parts}, "lora": {k: lora[k] for k in parts},
+            "rank": rank, "targets": list(targets),
             "adapter_params": sum(lora_param_counts(cfg, rank, targets).values()),
             "assumptions": list(LORA_ASSUMPTIONS)}

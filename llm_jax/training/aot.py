@@ -35,7 +35,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from llm_jax.inference.loop import generate_jit
 from llm_jax.inference.sampler import program_inputs
 from llm_jax.model import abstract_model, costs
-from llm_jax.model.lora_costs import finetune_memory_per_device
 from llm_jax.model.select import kernels_line
 from llm_jax.parallel import roofline
 from llm_jax.parallel.sharding import MESH_AXES, make_mesh, state_shardings
@@ -123,12 +122,10 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     kind = devices[0].device_kind
     memory = _memory(compiled, kind)
     sizes = dict(m.shape)
-    estimate = costs.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes)
-    if rank:  # LoRA (QLoRA over packed experts): adapters trained, the base frozen
-        estimate = finetune_memory_per_device(
-            cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes, rank=rank,
-            targets=finetune.lora_targets(lora))["lora"]
-        estimate["grads"] += estimate.pop("adapted_layer")  # the float32 w + AB and its grad
+    adapters = (costs.Adapters(rank, lora.alpha, finetune.lora_targets(lora)) if rank
+                else None)  # LoRA (QLoRA over packed experts): adapters trained, the base frozen
+    estimate = costs.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes,
+                                       adapters=adapters, platform=platform)
     hlo = compiled.as_text()
     if hlo_out:
         with open(hlo_out, "w") as f:
@@ -150,7 +147,7 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
         "roofline": bound,
         "lower_seconds": t1 - t0, "compile_seconds": t2 - t1, **memory,
         "estimate": {k: estimate[k] for k in ("params", "grads", "adam_m_v", "activations",
-                                              "total")},
+                                              "working", "total")},
     }
 
 

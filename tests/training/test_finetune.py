@@ -310,8 +310,9 @@ def test_describe_lora_memory_is_adapters_only():
                                    mesh={"data": 1, "fsdp": 8, "tensor": 1, "expert": 1},
                                    rank=16, targets=targets)
     full, lora = m["full"], m["lora"]
-    assert lora["adam_m_v"] == 2 * lora["grads"] < full["adam_m_v"] / 50
-    assert full["params"] < lora["params"] < 1.05 * full["params"]
+    # Adapters only: their B halves carry no embed axis, so fsdp leaves them whole (RULES).
+    assert lora["adam_m_v"] == 2 * lora["grads"] < full["adam_m_v"] / 10
+    assert full["params"] < lora["params"] < 1.1 * full["params"]
     # 20b: 24 layers x (q, k, v, o and 32 experts x (gate_up + down)) x r x (in + out)
     assert m["adapter_params"] == 24 * 16 * (
         (2880 + 64 * 64) + 2 * (2880 + 8 * 64) + (64 * 64 + 2880)
