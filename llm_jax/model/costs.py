@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.kv_cache import layer_slots
 from llm_jax.model.moe_dispatch import capacity
 from llm_jax.model.mxfp4 import BITS_PER_VALUE
@@ -161,21 +162,24 @@ def decode_flops_per_token(cfg: ModelConfig, context_len: int) -> float:
     return matmul_flops_per_token(cfg) + 4 * keys * n * h
 
 
-def expert_slots_per_token(cfg: ModelConfig, num_tokens: int) -> float:
+def expert_slots_per_token(cfg: ModelConfig, num_tokens: int, *,
+                           execution: ExecutionConfig = ExecutionConfig()) -> float:
     """Expert computations a training step's dispatch runs per token: E (dense), E x C / T
     (capacity, expert_parallel*: every slot is computed, filled or not; ~factor x k), else k
     (the dropless sparse dispatches)."""
-    if cfg.moe_dispatch == "dense":
+    if execution.moe_dispatch == "dense":
         return cfg.num_experts
-    if cfg.moe_dispatch in ("capacity", "expert_parallel", "expert_parallel_gmm"):
-        return cfg.num_experts * capacity(num_tokens, cfg) / num_tokens
+    if execution.moe_dispatch in ("capacity", "expert_parallel", "expert_parallel_gmm"):
+        return cfg.num_experts * capacity(num_tokens, cfg, execution.moe_capacity_factor) \
+            / num_tokens
     return cfg.experts_per_token
 
 
-def executed_forward_flops_per_token(cfg: ModelConfig, seq_len: int, batch: int) -> float:
+def executed_forward_flops_per_token(cfg: ModelConfig, seq_len: int, batch: int, *,
+                                     execution: ExecutionConfig = ExecutionConfig()) -> float:
     """FLOPs the einsum code actually runs per token (hardware, not model FLOPs): the full T x T
     scores, and every expert slot of the configured dispatch."""
-    slots = expert_slots_per_token(cfg, batch * seq_len)
+    slots = expert_slots_per_token(cfg, batch * seq_len, execution=execution)
     return 2 * matmul_params(cfg, slots) + attention_flops_per_token(
         cfg, seq_len, skip_masked=False)
 
@@ -286,21 +290,23 @@ def param_shards(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, tuple[floa
     return {n: (nbytes[n] / counts[n], s) for n, s in shards.items()}
 
 
-def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, num_tokens: int) -> float:
+def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, num_tokens: int, *,
+                               execution: ExecutionConfig = ExecutionConfig()) -> float:
     """Bytes saved for the backward pass per token (see MEMORY_ASSUMPTIONS)."""
     D, V, E, F = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.intermediate_size
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     c = jnp.dtype(cfg.dtype).itemsize
-    slots = expert_slots_per_token(cfg, num_tokens)
+    slots = expert_slots_per_token(cfg, num_tokens, execution=execution)
     layer = c * (4 * D + (N + 2 * K) * H + N * H + slots * (2 * D + 3 * F)) + 4 * (N * seq_len + E)
     final = c * D + 4 * 2 * V
-    if cfg.remat:
+    if execution.remat:
         return cfg.num_hidden_layers * c * D + layer + final
     return cfg.num_hidden_layers * layer + final
 
 
 def memory_per_device(
-    cfg: ModelConfig, *, batch: int, seq_len: int, mesh: dict[str, int]
+    cfg: ModelConfig, *, batch: int, seq_len: int, mesh: dict[str, int],
+    execution: ExecutionConfig = ExecutionConfig(),
 ) -> dict[str, Any]:
     """Estimated bytes per device of params, grads, Adam m + v and activations (training)."""
     batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
@@ -315,7 +321,8 @@ def memory_per_device(
     grads = sum(trained[n] * b / s for n, (b, s) in shards.items())
     adam = sum(trained[n] * 2 * 4 / s for n, (_, s) in shards.items())
     tokens = batch // batch_shards * seq_len
-    activations = tokens * activation_bytes_per_token(cfg, seq_len, batch * seq_len)
+    activations = tokens * activation_bytes_per_token(cfg, seq_len, batch * seq_len,
+                                                      execution=execution)
     out = {"params": params, "grads": grads, "adam_m_v": adam, "activations": activations}
     out["total"] = sum(out.values())
     out.update(mesh=mesh, devices=math.prod(mesh.values()), tokens_per_device=tokens,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.costs import memory_per_device, param_shards
 
 _COMPONENT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
@@ -51,9 +52,10 @@ def lora_param_counts(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> 
 
 def finetune_memory_per_device(cfg: ModelConfig, *, batch: int, seq_len: int,
                                mesh: dict[str, int], rank: int,
-                               targets: tuple[str, ...]) -> dict[str, Any]:
+                               targets: tuple[str, ...],
+                               execution: ExecutionConfig = ExecutionConfig()) -> dict[str, Any]:
     """{"full": bytes by part, "lora": bytes by part}, per device."""
-    full = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh)
+    full = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh, execution=execution)
     shards = param_shards(cfg, mesh)
     adapters = sum(n * 4 / shards[_COMPONENT[t]][1]
                    for t, n in lora_param_counts(cfg, rank, targets).items())
