@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 from llm_jax import describe as report_module
-from llm_jax.config import ModelConfig
+from llm_jax.config import ModelConfig, field_doc
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import abstract_model, costs as d
 from llm_jax.parallel.sharding import parse_mesh
 from llm_jax.runtime.cli import check_overrides
@@ -75,8 +76,8 @@ def test_totals_and_active_match_openai_model_card_within_1_percent(name, total,
     assert d.active_params(cfg) == pytest.approx(active, rel=0.01)
 
 
-def xla_forward_flops_per_token(cfg, batch, seq_len):
-    graphdef, state = nnx.split(abstract_model(cfg))
+def xla_forward_flops_per_token(cfg, execution, batch, seq_len):
+    graphdef, state = nnx.split(abstract_model(cfg, execution=execution))
 
     def forward(state, tokens):  # a training step's forward: the dispatch as configured
         return nnx.merge(graphdef, state)(tokens, train=True)
@@ -98,16 +99,18 @@ def test_forward_flops_agree_with_xla_cost_analysis(dispatch, vocab):
     # ragged_dot to dense work, so its cost says nothing about the grouped matmul of TPU/GPU.
     # One layer: cost_analysis counts the body of the layers' lax.scan (a while loop) once, not
     # num_hidden_layers times. The small vocab makes the layers, not the unembedding, dominate.
-    cfg = ModelConfig(num_hidden_layers=1, vocab_size=vocab, moe_dispatch=dispatch)
+    cfg = ModelConfig(num_hidden_layers=1, vocab_size=vocab)
+    ex = ExecutionConfig(moe_dispatch=dispatch)
     batch, seq_len = 2, 128
-    xla = xla_forward_flops_per_token(cfg, batch, seq_len)
-    ours = d.executed_forward_flops_per_token(cfg, seq_len, batch)
+    xla = xla_forward_flops_per_token(cfg, ex, batch, seq_len)
+    ours = d.executed_forward_flops_per_token(cfg, seq_len, batch, execution=ex)
     # Measured: 0.4-1.0% below XLA, which also counts the elementwise work (softmax, SwiGLU,
     # norms, RoPE) that the formula leaves out.
     assert ours == pytest.approx(xla, rel=0.02)
     # The model FLOPs differ from the executed ones only by those two accountable terms.
     expert_flops = 2 * 3 * cfg.hidden_size * cfg.intermediate_size
-    extra_slots = d.expert_slots_per_token(cfg, batch * seq_len) - cfg.experts_per_token
+    extra_slots = d.expert_slots_per_token(cfg, batch * seq_len, execution=ex) \
+        - cfg.experts_per_token
     masked = d.attention_flops_per_token(cfg, seq_len, skip_masked=False) \
         - d.attention_flops_per_token(cfg, seq_len)
     assert ours - d.forward_flops_per_token(cfg, seq_len) == pytest.approx(
@@ -190,13 +193,18 @@ def test_memory_shards_weights_by_the_mesh_and_the_batch_over_data_fsdp_expert()
 def test_remat_saves_activation_memory():
     cfg = model("gpt_oss_20b")
     plain = d.activation_bytes_per_token(cfg, 4096, 8 * 4096)
-    remat = d.activation_bytes_per_token(cfg.replace(remat=True), 4096, 8 * 4096)
+    remat = d.activation_bytes_per_token(cfg, 4096, 8 * 4096,
+                                         execution=ExecutionConfig(remat=True))
     assert remat < plain / 5
 
 
 def test_every_model_field_has_a_description():
-    assert set(report_module.FIELD_DOCS) == {f.name for f in dataclasses.fields(ModelConfig)}
-    fields = [f["field"] for f in report_module.report(run_config("tiny"))["fields"]]
+    report = report_module.report(run_config("tiny"))
+    docs = {f["field"]: f["doc"] for f in report["fields"]}
+    for section, cls in (("model", ModelConfig), ("execution", ExecutionConfig)):
+        for f in dataclasses.fields(cls):  # each field's doc is its dataclass metadata
+            assert docs[f"{section}.{f.name}"] == field_doc(cls, f.name) != ""
+    fields = [f["field"] for f in report["fields"]]
     assert len(fields) == len(set(fields)) and "model.vocab_size" in fields
 
 
