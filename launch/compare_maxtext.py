@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llm_jax_python", default=sys.executable)
     p.add_argument("--maxtext_python", default="/tmp/vmaxtext/bin/python")
     p.add_argument("--llm_jax_flag", action="append", default=[],
-                   help="extra llm_jax.compile flag, e.g. --config.execution.loss_chunk_tokens=4096")
+                   help="extra llm_jax.compile flag, e.g. "
+                   "--config.execution.loss_chunk_tokens=4096")
     p.add_argument("--maxtext_flag", action="append", default=[],
                    help="extra MaxText override, e.g. sa_block_q=1024")
     p.add_argument("--name", default="", help="result name (default from the shape)")

@@ -2,8 +2,8 @@
 
 Public entry points (imported lazily, so `import llm_jax` stays cheap): `ModelConfig` (what a
 model is), `ExecutionConfig` (how it runs), `Transformer`, `init_model`, `load_pretrained`, and
-`sample(model, prompt_ids, max_new_tokens=...)` for generation. The command lines are `python -m llm_jax.train|generate|serve|chat|eval|convert|
-describe|compile|bench`.
+`sample(model, prompt_ids, max_new_tokens=...)` for generation. The command lines are
+`python -m llm_jax.train|generate|serve|chat|eval|convert|describe|compile|bench`.
 """
 
 from __future__ import annotations

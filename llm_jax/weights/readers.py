@@ -173,8 +173,9 @@ def _llm_jax_config(root: Path) -> ModelConfig:
     model = Fields(read_json_object(path), str(path)).obj("model")
     if model is None:
         raise ValueError(f"{path} has no 'model' object (the ModelConfig)")
-    # Saved models written before ExecutionConfig also stored its fields here (ModelConfig.from_saved).
-    return model_config_from_fields(model, [k for k in model.d if k not in LEGACY_EXECUTION_FIELDS])
+    # Saved models written before ExecutionConfig also stored its fields here (as from_saved).
+    keys = [k for k in model.d if k not in LEGACY_EXECUTION_FIELDS]
+    return model_config_from_fields(model, keys)
 
 
 def _llm_jax_check(root: Path, cfg: ModelConfig) -> None:
