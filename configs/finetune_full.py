@@ -3,8 +3,9 @@
     python -m llm_jax.train --config configs/finetune_full.py --workdir runs/sft \\
         --config.train.init_from=path/to/gpt-oss-20b --config.sft.files='data/*.jsonl'
 
-The `model` section is all None: every field comes from the checkpoint; set only dtype,
-param_dtype, moe_dispatch, remat, scan_layers or moe_capacity_factor (docs/finetuning.md).
+The `model` section is all None: every field comes from the checkpoint; set only the conversions
+dtype, param_dtype or expert_format. How it runs is the `execution` section, e.g.
+`--config.execution.remat=True` (docs/finetuning.md).
 """
 
 import ml_collections

@@ -3,6 +3,7 @@
 import ml_collections
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.training.run_config import default_run_config
 
 
@@ -26,6 +27,8 @@ def get_config() -> ml_collections.ConfigDict:
         swiglu_limit=7.0,
         dtype="bfloat16",
         param_dtype="bfloat16",
+    )
+    execution = ExecutionConfig(
         moe_dispatch="auto",  # dropless: the megablox gmm kernel on TPU, ragged_dot on GPU
         # The fused loss: 1,024 tokens per device a chunk (0.8 GB of float32 logits), 8 chunks
         # at 8k tokens per chip, unrolled (so the compiled cost counts them all). On a mesh with
@@ -36,4 +39,4 @@ def get_config() -> ml_collections.ConfigDict:
         loss_chunk_tokens=1024,
         loss_group_chunks=4,
     )
-    return default_run_config("gpt_oss_20b", model)
+    return default_run_config("gpt_oss_20b", model, execution)

@@ -6,6 +6,7 @@
 import ml_collections
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.training.run_config import default_run_config
 
 
@@ -27,12 +28,14 @@ def get_config() -> ml_collections.ConfigDict:
         rope_ntk_alpha=1.0,
         rope_ntk_beta=32.0,
         swiglu_limit=7.0,
+    )
+    execution = ExecutionConfig(
         scan_layers=False,  # 4 layers: unrolled is faster on CPU, and compiles in seconds
         # Training opts into fixed expert slots (fast on CPU; drops are logged). Evaluation,
         # sampling and every loaded model still compute the exact, dropless MoE.
         moe_dispatch="capacity",
     )
-    cfg = default_run_config("tiny", model)
+    cfg = default_run_config("tiny", model, execution)
     # 2.0M tokens (1,000 steps of 8 x 256): 5 min 48 s on a 2-core CPU from a fresh clone, the
     # install included, to 1.476 val bits/byte (docs/training.md, "Measured").
     cfg.train.num_steps = 1000

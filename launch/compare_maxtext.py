@@ -67,9 +67,9 @@ def llm_jax_side(a: argparse.Namespace, out_dir: pathlib.Path, name: str) -> dic
     cmd = [a.llm_jax_python, "-m", "llm_jax.compile", "--config",
            f"configs/gpt_oss_{a.model}.py", "--topology", a.topology, "--mesh", mesh,
            "--batch", str(a.per_chip_batch * chips(a.topology)), "--seq_len", str(a.seq_len),
-           f"--config.model.num_hidden_layers={a.layers}", "--config.model.scan_layers=False",
-           "--config.model.remat=True", "--config.model.attention_impl=auto",
-           f"--config.model.moe_dispatch={dispatch}", *a.llm_jax_flag, "--json",
+           f"--config.model.num_hidden_layers={a.layers}", "--config.execution.scan_layers=False",
+           "--config.execution.remat=True", "--config.execution.attention_impl=auto",
+           f"--config.execution.moe_dispatch={dispatch}", *a.llm_jax_flag, "--json",
            f"--hlo_out={hlo}"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     rc, out, wall, rss = run(cmd, env, out_dir / f"{name}.llm_jax.log")
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llm_jax_python", default=sys.executable)
     p.add_argument("--maxtext_python", default="/tmp/vmaxtext/bin/python")
     p.add_argument("--llm_jax_flag", action="append", default=[],
-                   help="extra llm_jax.compile flag, e.g. --config.model.loss_chunk_tokens=4096")
+                   help="extra llm_jax.compile flag, e.g. "
+                   "--config.execution.loss_chunk_tokens=4096")
     p.add_argument("--maxtext_flag", action="append", default=[],
                    help="extra MaxText override, e.g. sa_block_q=1024")
     p.add_argument("--name", default="", help="result name (default from the shape)")

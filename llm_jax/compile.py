@@ -3,7 +3,7 @@ slice or a simulated CPU mesh, with its per-chip memory (the compiling is llm_ja
 
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5p-32 \\
         --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\
-        [--config.model.moe_dispatch=expert_parallel ...] [--json] [--hlo_out FILE]
+        [--config.execution.moe_dispatch=expert_parallel ...] [--json] [--hlo_out FILE]
     python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5e-1 --program generate \
         --config.model.expert_format=mxfp4 [--batch 1 --prompt_len 4096 --new_tokens 128]

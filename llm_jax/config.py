@@ -1,8 +1,12 @@
-"""ModelConfig: the gpt-oss design decisions as one frozen, hashable, validated dataclass.
+"""ModelConfig: what a gpt-oss model is, as one frozen, hashable, validated dataclass.
 
-The 16 architecture numbers carry the names of the gpt-oss reference (docs/model.md); the
-rest are implementation choices (dtypes, MoE dispatch, the pRMSNorm fraction). The config is a
-pytree with no leaves, so it can be a static jit argument and pass through `jax.tree.map`.
+The 16 architecture numbers carry the names of the gpt-oss reference (docs/model.md); beside
+them, the dtypes, the experts' storage format, the norm variant and the initialiser. This is what
+a checkpoint stores and what identifies a model; how it runs (MoE dispatch, attention kernel,
+tiles, loss chunks, remat, scan) is `llm_jax.execution.ExecutionConfig`. Each field's
+documentation is its `doc` metadata (`field_doc`), which `describe` prints and docs/config.md
+lists. The config is a pytree with no leaves, so it can be a static jit argument and pass
+through `jax.tree.map`.
 """
 
 from __future__ import annotations
@@ -16,20 +20,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# model/moe_dispatch.py's table; "auto" picks a dropless one by shape and backend.
-MOE_DISPATCHES = ("auto", "dense", "ragged", "gather", "blocked", "gmm", "capacity",
-                  "expert_parallel", "expert_parallel_gmm")
-# model/select.py's table; "auto" picks by backend and shape.
-ATTENTION_IMPLS = ("auto", "direct", "blockwise", "splash", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 # How the MoE expert stacks are held: dense in param_dtype, or packed MXFP4 as gpt-oss ships
 # them (model/mxfp4.py; frozen, unpacked inside each dispatch).
 EXPERT_FORMATS = ("dense", "mxfp4")
 NORM_TYPES = ("rms", "layer")
-# How the same function is executed: changing them never changes a result, so a run may resume
-# with other values.
-EXECUTION_FIELDS = ("remat", "scan_layers", "attention_impl", "loss_chunk_tokens",
-                    "loss_group_chunks", "gmm_tile_m", "gmm_tile_k", "gmm_tile_n")
+# The model section of checkpoints written before the execution settings had a config of their
+# own also held these; `from_saved` reads past them (they never identified a model).
+LEGACY_EXECUTION_FIELDS = (
+    "mxfp4_unpack_mib", "gmm_tile_m", "gmm_tile_k", "gmm_tile_n", "moe_dispatch",
+    "attention_impl", "moe_capacity_factor", "remat", "scan_layers", "loss_chunk_tokens",
+    "loss_group_chunks",
+)
 
 # Fixed by the gpt-oss reference, not design decisions (docs/model.md).
 RMS_NORM_EPS = 1e-5
@@ -46,62 +48,64 @@ def yarn_correction_range(cfg: "ModelConfig") -> tuple[float, float]:
     return low, high
 
 
+def _field(default: Any, doc: str) -> Any:
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def field_doc(cls: type, name: str) -> str:
+    """What field `name` of the dataclass `cls` controls (its `doc` metadata)."""
+    return {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)}[name]
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The gpt-oss network's design decisions. Defaults are the book's tiny model."""
 
-    num_hidden_layers: int = 4
-    num_experts: int = 16
-    experts_per_token: int = 2
-    vocab_size: int = 8000
-    hidden_size: int = 256
-    intermediate_size: int = 256
-    head_dim: int = 64
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    sliding_window: int = 0
-    initial_context_length: int = 4096
-    rope_theta: float = 10000.0
-    rope_scaling_factor: float = 32.0
-    rope_ntk_alpha: float = 1.0
-    rope_ntk_beta: float = 32.0
-    swiglu_limit: float = 7.0
-    # Implementation choices.
-    dtype: str = "float32"  # compute dtype of matmuls and activations
-    param_dtype: str = "float32"  # storage dtype of weights (norm scales always float32)
-    expert_format: str = "dense"  # one of EXPERT_FORMATS; mxfp4 experts are frozen
-    # The grouped-matmul dispatches (gmm, expert_parallel_gmm) unpack mxfp4 experts a group at a
-    # time, each group's unpacked stack at most this many MiB (at least one expert); 0 = a
-    # layer's whole stack at once.
-    mxfp4_unpack_mib: int = 256
-    # megablox's tiles (TPU grouped matmuls: gmm, expert_parallel_gmm): rows, contracted lanes
-    # and output lanes of one block, multiples of 128 (kernels/grouped_matmul.py: each row tile
-    # re-reads its expert's weights, each output tile the rows). The GPU kernel picks its own.
-    gmm_tile_m: int = 512
-    gmm_tile_k: int = 1024
-    gmm_tile_n: int = 1024
-    # One of MOE_DISPATCHES. The dropping ones (capacity, expert_parallel*) apply only to
-    # training calls (`train=True`); every other call computes the exact function.
-    moe_dispatch: str = "auto"
-    # One of ATTENTION_IMPLS: how self-attention is computed (the same function; splash is a
-    # TPU kernel and falls back to the shape rule where it cannot apply).
-    attention_impl: str = "auto"
-    moe_capacity_factor: float = 1.25  # dropping dispatches: slots per expert = factor * T * k / E
-    prms_fraction: float = 0.0  # pRMSNorm: estimate the RMS from the first p of features; 0 = off
-    norm_type: str = "rms"  # rms (gpt-oss) | layer (LayerNorm, for the norm benchmark)
-    remat: bool = False  # recompute each layer's activations in the backward pass
-    scan_layers: bool = True  # one lax.scan over the stacked layers; False unrolls the loop
-    # Tokens per batch shard (per device) in one chunk of the fused unembedding + cross-entropy
-    # (model/unembed_loss.py): each chunk holds [tokens, vocab] float32 logits and re-reads the
-    # unembedding and its float32 gradient, so larger chunks read those fewer times.
-    loss_chunk_tokens: int = 256
-    # Chunks of the loss whose logits' gradients go into dh and dW in one product: each product
-    # reduces a [vocab, hidden] float32 gradient (across the batch shards, on a mesh), so k chunks
-    # a group do that k times less often for k - 1 more chunks of gradient held at once. Unused
-    # where the loss splits by vocabulary (unembed_loss.vocab_split: dW stays on its device).
-    loss_group_chunks: int = 1
-    initializer_range: float = 0.02
+    num_hidden_layers: int = _field(4, "depth: levels of abstraction, one attend-then-think "
+                                    "round each; params and FLOPs grow linearly")
+    num_experts: int = _field(16, "experts per MoE layer: stored knowledge; params grow with E, "
+                              "FLOPs per token do not")
+    experts_per_token: int = _field(2, "top-k experts each token uses: active compute; FLOPs "
+                                    "grow with k")
+    vocab_size: int = _field(8000, "granularity of the tokenizer: larger = fewer tokens per "
+                             "text, but two V x D tables and a V-wide softmax")
+    hidden_size: int = _field(256, "resolution of the residual stream: the width every layer "
+                              "reads and writes")
+    intermediate_size: int = _field(256, "scratch paper: width of each expert's SwiGLU hidden "
+                                    "layer")
+    head_dim: int = _field(64, "width of one attention head's query-key comparison (RoPE "
+                           "rotates its pairs)")
+    num_attention_heads: int = _field(4, "query heads: how many things a token looks for at "
+                                      "once")
+    num_key_value_heads: int = _field(2, "kv heads shared by groups of query heads (GQA): sets "
+                                      "the KV-cache size")
+    sliding_window: int = _field(0, "keys an even layer sees (0 = every layer full): caps that "
+                                 "layer's attention cost and cache at W")
+    initial_context_length: int = _field(4096, "context of pre-training (L0): the view, and "
+                                         "YaRN's reference length")
+    rope_theta: float = _field(10000.0, "RoPE base: the slowest rotation, how far apart "
+                               "positions stay distinguishable")
+    rope_scaling_factor: float = _field(32.0, "YaRN extension: usable context = L0 x factor "
+                                        "(1 = plain RoPE); the KV memory bill grows with it")
+    rope_ntk_alpha: float = _field(1.0, "YaRN beta_slow: dimensions turning fewer times than "
+                                   "this over L0 are fully interpolated")
+    rope_ntk_beta: float = _field(32.0, "YaRN beta_fast: dimensions turning more times than "
+                                  "this over L0 are left as they are")
+    swiglu_limit: float = _field(7.0, "clamp on the experts' SwiGLU inputs: keeps activations "
+                                 "bounded")
+    dtype: str = _field("float32", "compute dtype of matmuls and activations: sets activation "
+                        "and KV-cache bytes")
+    param_dtype: str = _field("float32", "storage dtype of weights (norms, sinks, router stay "
+                              "float32): sets params and grads bytes")
+    expert_format: str = _field("dense", "how the expert stacks are held: dense (param_dtype) "
+                                "or mxfp4 (packed as gpt-oss ships them, 4.25 bits a value, "
+                                "frozen: QLoRA; unpacked inside each dispatch)")
+    norm_type: str = _field("rms", "rms (gpt-oss) or layer (LayerNorm, only to compare against)")
+    prms_fraction: float = _field(0.0, "pRMSNorm: estimate the RMS from this fraction of "
+                                  "features (0 = full RMSNorm)")
+    initializer_range: float = _field(0.02, "std of the normal initialiser (output projections "
+                                      "/ sqrt(2L))")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -123,7 +127,7 @@ class ModelConfig:
         positive_ints = (
             "num_hidden_layers", "num_experts", "experts_per_token", "vocab_size", "hidden_size",
             "intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads",
-            "initial_context_length", "loss_chunk_tokens", "loss_group_chunks",
+            "initial_context_length",
         )
         for name in positive_ints:
             if getattr(self, name) <= 0:
@@ -142,13 +146,7 @@ class ModelConfig:
             )
         if self.sliding_window < 0:
             bad("sliding_window", "0 (off) or a positive window length")
-        for name in ("gmm_tile_m", "gmm_tile_k", "gmm_tile_n"):
-            if getattr(self, name) <= 0 or getattr(self, name) % 128:
-                bad(name, "a positive multiple of 128 (TPU lanes)")
-        if self.mxfp4_unpack_mib < 0:
-            bad("mxfp4_unpack_mib", "0 (a whole layer at once) or a positive size in MiB")
-        for name in ("rope_theta", "rope_ntk_alpha", "rope_ntk_beta", "swiglu_limit",
-                     "moe_capacity_factor"):
+        for name in ("rope_theta", "rope_ntk_alpha", "rope_ntk_beta", "swiglu_limit"):
             if not getattr(self, name) > 0:
                 bad(name, "a positive number")
         if self.rope_theta <= 1:
@@ -176,10 +174,6 @@ class ModelConfig:
                 if getattr(self, name) % 32:
                     bad(name, "a multiple of 32 with expert_format='mxfp4' (MXFP4 blocks "
                               "hold 32 values along each expert matmul's input)")
-        if self.moe_dispatch not in MOE_DISPATCHES:
-            bad("moe_dispatch", f"one of {MOE_DISPATCHES}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            bad("attention_impl", f"one of {ATTENTION_IMPLS}")
         if self.norm_type not in NORM_TYPES:
             bad("norm_type", f"one of {NORM_TYPES}")
         if not 0.0 <= self.prms_fraction <= 1.0:
@@ -210,11 +204,6 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int, ...]:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
-    @property
-    def scan_unroll(self) -> int | bool:
-        """`unroll` for every `lax.scan` over the layers (training, prefill, decode)."""
-        return 1 if self.scan_layers else True
-
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -224,9 +213,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        """Builds a config from a mapping; unknown keys are refused by name."""
+        """Builds a config from a mapping; unknown keys are refused by name (an execution
+        setting with the place it belongs)."""
         d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
+        moved = sorted(set(d) & set(LEGACY_EXECUTION_FIELDS))
+        if moved:
+            raise ValueError(
+                f"ModelConfig: {moved} say how the model runs, not what it is: they are fields "
+                f"of ExecutionConfig (llm_jax.execution; config.execution.{moved[0]} in a run "
+                "config)")
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(
@@ -237,6 +233,13 @@ class ModelConfig:
                     and not isinstance(d[f.name], bool):
                 d[f.name] = float(d[f.name])
         return cls(**d)
+
+    @classmethod
+    def from_saved(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """The model section a checkpoint stored (training workdir, llm_jax saved model, an
+        adapter's base): `from_dict`, past the LEGACY_EXECUTION_FIELDS that checkpoints written
+        before ExecutionConfig also stored there."""
+        return cls.from_dict({k: v for k, v in d.items() if k not in LEGACY_EXECUTION_FIELDS})
 
     @classmethod
     def from_json(cls, s: str) -> "ModelConfig":

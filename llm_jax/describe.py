@@ -1,6 +1,7 @@
 """`python -m llm_jax.describe`: what a config costs, and what each of its numbers controls.
 
     python -m llm_jax.describe --config configs/tiny.py [--config.model.FIELD=V ...]
+        [--config.execution.FIELD=V ...]
         [--seq_len T] [--batch B] [--mesh data=2,fsdp=4,tensor=1,expert=1] [--platform tpu]
         [--json] [--shardings]
 
@@ -22,7 +23,8 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from llm_jax.config import ModelConfig
+from llm_jax.config import ModelConfig, field_doc
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.costs import (
     ACTIVE_CONVENTION,
     active_params,
@@ -49,80 +51,12 @@ from llm_jax.parallel.sharding import MESH_AXES, parse_mesh
 from llm_jax.runtime.cli import fail, parse_flags
 from llm_jax.runtime.units import format_bytes, format_si
 from llm_jax.training.finetune import pretrained_config, resolve_model_config
-from llm_jax.training.run_config import model_config
+from llm_jax.training.run_config import execution_config, model_config
 
 # ---------------------------------------------------------------------------------------------
 # What each number controls.
 
-FIELD_DOCS: dict[str, str] = {
-    "num_hidden_layers": "depth: levels of abstraction, one attend-then-think round each; "
-                         "params and FLOPs grow linearly",
-    "num_experts": "experts per MoE layer: stored knowledge; params grow with E, FLOPs per token "
-                   "do not",
-    "experts_per_token": "top-k experts each token uses: active compute; FLOPs grow with k",
-    "vocab_size": "granularity of the tokenizer: larger = fewer tokens per text, but two V x D "
-                  "tables and a V-wide softmax",
-    "hidden_size": "resolution of the residual stream: the width every layer reads and writes",
-    "intermediate_size": "scratch paper: width of each expert's SwiGLU hidden layer",
-    "head_dim": "width of one attention head's query-key comparison (RoPE rotates its pairs)",
-    "num_attention_heads": "query heads: how many things a token looks for at once",
-    "num_key_value_heads": "kv heads shared by groups of query heads (GQA): sets the KV-cache "
-                           "size",
-    "sliding_window": "keys an even layer sees (0 = every layer full): caps that layer's "
-                      "attention cost and cache at W",
-    "initial_context_length": "context of pre-training (L0): the view, and YaRN's reference "
-                              "length",
-    "rope_theta": "RoPE base: the slowest rotation, how far apart positions stay "
-                  "distinguishable",
-    "rope_scaling_factor": "YaRN extension: usable context = L0 x factor (1 = plain RoPE); the "
-                           "KV memory bill grows with it",
-    "rope_ntk_alpha": "YaRN beta_slow: dimensions turning fewer times than this over L0 are "
-                      "fully interpolated",
-    "rope_ntk_beta": "YaRN beta_fast: dimensions turning more times than this over L0 are left "
-                     "as they are",
-    "swiglu_limit": "clamp on the experts' SwiGLU inputs: keeps activations bounded",
-    "dtype": "compute dtype of matmuls and activations: sets activation and KV-cache bytes",
-    "param_dtype": "storage dtype of weights (norms, sinks, router stay float32): sets params "
-                   "and grads bytes",
-    "expert_format": "how the expert stacks are held: dense (param_dtype) or mxfp4 (packed as "
-                     "gpt-oss ships them, 4.25 bits a value, frozen: QLoRA; unpacked inside each "
-                     "dispatch); unset = the checkpoint's: sets expert params bytes",
-    "moe_dispatch": "how tokens reach experts: auto (dropless, by backend), dense (all E, E/k x "
-                    "the expert FLOPs), ragged / blocked / gather / gmm (dropless; gmm by "
-                    "Pallas kernels), capacity / expert_parallel / expert_parallel_gmm (fixed "
-                    "slots; drop overflow in training only)",
-    "attention_impl": "how self-attention runs: auto (model/select.py's table: splash on TPU, "
-                      "direct / blockwise by shape elsewhere), direct, blockwise, splash, flash "
-                      "(GPU Pallas kernel, opt-in)",
-    "mxfp4_unpack_mib": "gmm dispatches over packed experts: unpack a layer's experts in "
-                        "groups of at most this many MiB (0 = all at once), bounding the "
-                        "unpacked weights held at a time",
-    "gmm_tile_m": "megablox (TPU grouped matmul) rows per tile: each row tile re-reads its "
-                  "expert's weights",
-    "gmm_tile_k": "megablox contracted lanes per tile (with m and n, bounded by the kernel's "
-                  "scoped VMEM)",
-    "gmm_tile_n": "megablox output lanes per tile: each output tile re-reads the rows",
-    "moe_capacity_factor": "dropping dispatches: slots per expert = factor x T k / E; runs "
-                           "factor x the expert FLOPs, drops overflow",
-    "prms_fraction": "pRMSNorm: estimate the RMS from this fraction of features (0 = full "
-                     "RMSNorm)",
-    "norm_type": "rms (gpt-oss) or layer (LayerNorm, only to compare against)",
-    "remat": "recompute each layer in the backward pass: saved activations drop to the layer "
-             "inputs, for ~1 extra forward (inside the layer scan: unrolled, XLA may merge "
-             "the recomputation with the forward pass)",
-    "scan_layers": "True: one lax.scan over the stacked layers (compile time flat in depth); "
-                   "False: the loop unrolled (no stacked carry buffers; faster for few layers)",
-    "loss_chunk_tokens": "tokens per device in one chunk of the fused unembedding + loss: each "
-                         "holds [tokens, vocab] float32 logits; fewer chunks re-read the "
-                         "unembedding and its gradient fewer times",
-    "loss_group_chunks": "loss chunks whose gradients go into dh and dW in one product: the "
-                         "unembedding's float32 gradient is reduced once a group, for more "
-                         "chunks of [tokens, vocab] gradient held at once; only where the loss "
-                         "splits by tokens (a mesh whose axes divide the vocabulary splits it by "
-                         "vocabulary, and keeps dW on each device: no groups)",
-    "initializer_range": "std of the normal initialiser (output projections / sqrt(2L))",
-}
-
+# The model and execution fields document themselves (their `doc` metadata, `field_doc`).
 RUN_FIELD_DOCS: dict[str, str] = {
     "name": "name of the run (logs, checkpoints)",
     "seed": "seed of the parameter initialisation",
@@ -190,20 +124,22 @@ def report(
 ) -> dict[str, Any]:
     """The whole report as JSON-able data (what --json prints); memory for `platform`'s
     kernels (model/select.py)."""
-    cfg = _model_of(run_cfg)
+    cfg, execution = _model_of(run_cfg), execution_config(run_cfg)
     seq_len = run_cfg.data.seq_len if seq_len is None else seq_len
     batch = run_cfg.train.batch_size if batch is None else batch
     for name, value in (("seq_len", seq_len), ("batch", batch)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name}={value!r} is invalid: expected a positive integer")
     mesh = dict.fromkeys(MESH_AXES, 1) if mesh is None else mesh
-    fields = [{"field": f"model.{n}", "value": v, "doc": FIELD_DOCS.get(n, "")}
+    fields = [{"field": f"model.{n}", "value": v, "doc": field_doc(ModelConfig, n)}
               for n, v in cfg.to_dict().items()]
+    fields += [{"field": f"execution.{n}", "value": v, "doc": field_doc(ExecutionConfig, n)}
+               for n, v in execution.to_dict().items()]
     sections = ["", "data", "train", "checkpoint"]  # top-level scalars first, then sections
     rest = sorted(_flat(run_cfg).items(), key=lambda kv: (
         sections.index(s) if (s := kv[0].rpartition(".")[0]) in sections else len(sections), kv[0]))
     fields += [{"field": n, "value": v, "doc": RUN_FIELD_DOCS.get(n, "")}
-               for n, v in rest if not n.startswith("model.")]
+               for n, v in rest if not n.startswith(("model.", "execution."))]
     dec = [{"context": t, "flops": decode_flops_per_token(cfg, t)}
            for t in (1024, seq_len, max_context(cfg))]
     return {
@@ -220,7 +156,8 @@ def report(
             "inference_forward": flops_per_token(cfg, seq_len, training=False),
             "training": flops_per_token(cfg, seq_len, training=True),
             "training_per_step": flops_per_token(cfg, seq_len) * batch * seq_len,
-            "executed_forward": executed_forward_flops_per_token(cfg, seq_len, batch),
+            "executed_forward": executed_forward_flops_per_token(cfg, seq_len, batch,
+                                                                 execution=execution),
             "decode": dec,
             "formula": flops_formula(cfg, seq_len),
         },
@@ -235,12 +172,13 @@ def report(
             "table": kv_cache_table(cfg),
         },
         "memory_per_device": memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh,
-                                               platform=platform),
+                                               execution=execution, platform=platform),
         "inference_memory_per_device": inference_memory_per_device(
             cfg, batch=batch, context=seq_len, mesh=mesh),
-        "finetune_memory_per_device": _finetune_memory(run_cfg, cfg, batch, seq_len, mesh,
-                                                       platform),
-        "kernels": {p: kernels_line(cfg, batch, seq_len, p) for p in ("cpu", "gpu", "tpu")},
+        "finetune_memory_per_device": _finetune_memory(run_cfg, cfg, execution, batch, seq_len,
+                                                       mesh, platform),
+        "kernels": {p: kernels_line(cfg, execution, batch, seq_len, p)
+                    for p in ("cpu", "gpu", "tpu")},
     }
 
 
@@ -253,15 +191,17 @@ def _model_of(run_cfg: ml_collections.ConfigDict) -> ModelConfig:
     return model_config(run_cfg)
 
 
-def _finetune_memory(run_cfg: ml_collections.ConfigDict, cfg: ModelConfig, batch: int,
-                     seq_len: int, mesh: dict[str, int], platform: str) -> dict[str, Any]:
+def _finetune_memory(run_cfg: ml_collections.ConfigDict, cfg: ModelConfig,
+                     execution: ExecutionConfig, batch: int, seq_len: int,
+                     mesh: dict[str, int], platform: str) -> dict[str, Any]:
     """Full vs LoRA fine-tuning at the config's lora.rank (rank 16 when it is 0)."""
     lora = run_cfg.get("lora") or ml_collections.ConfigDict({"rank": 0, "targets": ""})
     targets = tuple(t.strip() for t in lora.targets.split(",") if t.strip()) or (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
     return finetune_memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh,
                                       rank=lora.rank or 16, targets=targets,
-                                      alpha=lora.get("alpha", 16.0), platform=platform)
+                                      alpha=lora.get("alpha", 16.0), platform=platform,
+                                      execution=execution)
 
 
 def format_report(r: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ import pytest
 import tokenizers
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import init_model
 from llm_jax.training.run_config import default_run_config
 from llm_jax.weights.checkpointing import restore_params
@@ -103,9 +104,13 @@ FAST_XLA = EIGHT_DEVICES.replace("--xla_force_host_platform_device_count=8 ", ""
 def tiny_model(**changes) -> ModelConfig:
     base = dict(num_hidden_layers=2, num_experts=8, experts_per_token=2, vocab_size=128,
                 hidden_size=32, intermediate_size=32, head_dim=16, num_attention_heads=4,
-                num_key_value_heads=2, sliding_window=8, rope_scaling_factor=1.0,
-                moe_dispatch="capacity", moe_capacity_factor=8.0)  # 8.0: nothing is dropped
+                num_key_value_heads=2, sliding_window=8, rope_scaling_factor=1.0)
     return ModelConfig(**{**base, **changes})
+
+
+def tiny_execution(**changes) -> ExecutionConfig:
+    """How the sharding tests run `tiny_model`: fixed expert slots, 8.0 so nothing is dropped."""
+    return ExecutionConfig(**{"moe_dispatch": "capacity", "moe_capacity_factor": 8.0, **changes})
 
 
 def tiny_train(**changes) -> ml_collections.ConfigDict:

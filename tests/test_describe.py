@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import EIGHT_DEVICES
+from helpers import EIGHT_DEVICES, NEEDS_LIBTPU
 
 from llm_jax import describe as report_module
-from llm_jax.config import ModelConfig
+from llm_jax.config import ModelConfig, field_doc
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import abstract_model, costs as d
 from llm_jax.parallel.sharding import parse_mesh
 from llm_jax.runtime.cli import check_overrides
@@ -77,8 +78,8 @@ def test_totals_and_active_match_openai_model_card_within_1_percent(name, total,
     assert d.active_params(cfg) == pytest.approx(active, rel=0.01)
 
 
-def xla_forward_flops_per_token(cfg, batch, seq_len):
-    graphdef, state = nnx.split(abstract_model(cfg))
+def xla_forward_flops_per_token(cfg, execution, batch, seq_len):
+    graphdef, state = nnx.split(abstract_model(cfg, execution=execution))
 
     def forward(state, tokens):  # a training step's forward: the dispatch as configured
         return nnx.merge(graphdef, state)(tokens, train=True)
@@ -100,16 +101,18 @@ def test_forward_flops_agree_with_xla_cost_analysis(dispatch, vocab):
     # ragged_dot to dense work, so its cost says nothing about the grouped matmul of TPU/GPU.
     # One layer: cost_analysis counts the body of the layers' lax.scan (a while loop) once, not
     # num_hidden_layers times. The small vocab makes the layers, not the unembedding, dominate.
-    cfg = ModelConfig(num_hidden_layers=1, vocab_size=vocab, moe_dispatch=dispatch)
+    cfg = ModelConfig(num_hidden_layers=1, vocab_size=vocab)
+    ex = ExecutionConfig(moe_dispatch=dispatch)
     batch, seq_len = 2, 128
-    xla = xla_forward_flops_per_token(cfg, batch, seq_len)
-    ours = d.executed_forward_flops_per_token(cfg, seq_len, batch)
+    xla = xla_forward_flops_per_token(cfg, ex, batch, seq_len)
+    ours = d.executed_forward_flops_per_token(cfg, seq_len, batch, execution=ex)
     # Measured: 0.4-1.0% below XLA, which also counts the elementwise work (softmax, SwiGLU,
     # norms, RoPE) that the formula leaves out.
     assert ours == pytest.approx(xla, rel=0.02)
     # The model FLOPs differ from the executed ones only by those two accountable terms.
     expert_flops = 2 * 3 * cfg.hidden_size * cfg.intermediate_size
-    extra_slots = d.expert_slots_per_token(cfg, batch * seq_len) - cfg.experts_per_token
+    extra_slots = d.expert_slots_per_token(cfg, batch * seq_len, execution=ex) \
+        - cfg.experts_per_token
     masked = d.attention_flops_per_token(cfg, seq_len, skip_masked=False) \
         - d.attention_flops_per_token(cfg, seq_len)
     assert ours - d.forward_flops_per_token(cfg, seq_len) == pytest.approx(
@@ -194,24 +197,30 @@ def test_memory_prices_the_state_as_the_step_shards_it():
 
 
 def test_remat_saves_activations_inside_the_layer_scan_only():
-    cfg = model("tiny").replace(scan_layers=True)
+    cfg, scan = model("tiny"), ExecutionConfig(scan_layers=True)
     mesh = parse_mesh("fsdp=4")
-    plain = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=mesh, platform="cpu")
-    remat = d.memory_per_device(cfg.replace(remat=True), batch=8, seq_len=256, mesh=mesh,
-                                platform="cpu")
+    plain = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=mesh, platform="cpu",
+                                execution=scan)
+    remat = d.memory_per_device(cfg, batch=8, seq_len=256, mesh=mesh, platform="cpu",
+                                execution=scan.replace(remat=True))
     assert remat["activations"] < plain["activations"] / 5
     assert remat["working"] > plain["working"]  # the backward pass recomputes a layer
     # Unrolled, XLA merges the recomputation with the forward pass (measured: the compiled
     # steps of the test below with and without remat hold the same bytes).
-    unrolled = cfg.replace(scan_layers=False)
-    assert d.memory_per_device(unrolled.replace(remat=True), batch=8, seq_len=256, mesh=mesh,
-                               platform="cpu")["total"] == d.memory_per_device(
-        unrolled, batch=8, seq_len=256, mesh=mesh, platform="cpu")["total"]
+    unrolled = scan.replace(scan_layers=False)
+    assert d.memory_per_device(cfg, batch=8, seq_len=256, mesh=mesh, platform="cpu",
+                               execution=unrolled.replace(remat=True))["total"] == \
+        d.memory_per_device(cfg, batch=8, seq_len=256, mesh=mesh, platform="cpu",
+                            execution=unrolled)["total"]
 
 
 def test_every_model_field_has_a_description():
-    assert set(report_module.FIELD_DOCS) == {f.name for f in dataclasses.fields(ModelConfig)}
-    fields = [f["field"] for f in report_module.report(run_config("tiny"))["fields"]]
+    report = report_module.report(run_config("tiny"))
+    docs = {f["field"]: f["doc"] for f in report["fields"]}
+    for section, cls in (("model", ModelConfig), ("execution", ExecutionConfig)):
+        for f in dataclasses.fields(cls):  # each field's doc is its dataclass metadata
+            assert docs[f"{section}.{f.name}"] == field_doc(cls, f.name) != ""
+    fields = [f["field"] for f in report["fields"]]
     assert len(fields) == len(set(fields)) and "model.vocab_size" in fields
 
 
@@ -319,18 +328,20 @@ import jax
 from llm_jax.model import costs
 from llm_jax.parallel import sharding
 from llm_jax.training.aot import compile_train_step
-from llm_jax.training.run_config import model_config
+from llm_jax.training.run_config import execution_config, model_config
 
 SMALL = {"num_hidden_layers": 2, "num_experts": 8, "vocab_size": 512, "hidden_size": 128,
-         "intermediate_size": 128, "head_dim": 32, "moe_dispatch": "capacity"}
+         "intermediate_size": 128, "head_dim": 32}
 spec = importlib.util.spec_from_file_location("tiny", "configs/tiny.py")
 tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)
 
-def run_config(lora_rank=0, **model):
+def run_config(lora_rank=0, **execution):
     rc = tiny.get_config()
-    for k, v in {**SMALL, **model}.items():
+    for k, v in SMALL.items():
         rc.model[k] = v
+    for k, v in {"moe_dispatch": "capacity", **execution}.items():
+        rc.execution[k] = v
     rc.lora.rank = lora_rank
     return rc
 
@@ -359,6 +370,7 @@ row = compiled("RULES edited (embed over expert only): LoRA, remat, layer scan, 
 set_rules(edited, original)
 row["stale_estimate"] = costs.memory_per_device(
     model_config(lora), batch=8, seq_len=32, mesh=mesh, platform="cpu",
+    execution=execution_config(lora),
     adapters=costs.Adapters(4, lora.lora.alpha, tuple(lora.lora.targets.split(","))))["total"]
 print(json.dumps(rows + [row]))
 """
@@ -387,9 +399,7 @@ def test_memory_estimate_follows_the_rules_table(compiled_memory):
     assert row["stale_estimate"] != pytest.approx(row["compiled"], rel=0.15), row
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="libtpu is not installed (pip install 'llm_jax[tpu]'): no TPU "
-                    "topology to compile for")
+@NEEDS_LIBTPU
 def test_memory_estimate_is_near_a_tpu_compile():
     # The same small model, compiled for a v5e-4 slice (libtpu's compile-only devices), against
     # the compiled bytes less its code (which the estimate does not price). XLA:TPU's schedule

@@ -18,7 +18,7 @@ import jax
 from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.bench.train import JaxTrainer, quick_model_config, random_batch, tiny_run_config
 from llm_jax.training import finetune
-from llm_jax.training.run_config import model_config
+from llm_jax.training.run_config import execution_config, model_config
 
 TARGETS = {"full": "", "lora": "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj",
            "lora_attn": "q_proj,k_proj,v_proj,o_proj"}
@@ -27,7 +27,7 @@ TARGETS = {"full": "", "lora": "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_pr
 def run(*, repeats: int, quick: bool, steps: int, shape: tuple[int, int],
         rank: int) -> dict[str, Any]:
     run_cfg = tiny_run_config()
-    run_cfg.model.moe_dispatch = "blocked"
+    run_cfg.execution.moe_dispatch = "blocked"
     cfg = quick_model_config() if quick else model_config(run_cfg)
     batch_size, seq_len = (2, 32) if quick else shape
     steps, repeats = (1, 1) if quick else (steps, repeats)
@@ -37,7 +37,7 @@ def run(*, repeats: int, quick: bool, steps: int, shape: tuple[int, int],
         lora = run_cfg.lora.copy_and_resolve_references()
         lora.rank, lora.targets = (rank if targets else 0), targets or lora.targets
         trainers[name] = JaxTrainer(cfg, run_cfg.train, batch, model_fn=finetune.model_fn(
-            cfg, lora, 0), trainable=finetune.trainable(lora))
+            cfg, lora, 0, execution_config(run_cfg)), trainable=finetune.trainable(lora))
     times = alternate({n: (lambda t=t: t(steps)) for n, t in trainers.items()}, repeats=repeats)
     rows = []
     for name, t in trainers.items():

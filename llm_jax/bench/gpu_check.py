@@ -24,6 +24,7 @@ from collections import Counter
 import jax
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.runtime.cli import ArgumentParser
 
 # Published dense bf16 tensor-core peaks (NVIDIA data sheets), FLOP/s per GPU.
@@ -34,7 +35,7 @@ def check_config() -> ModelConfig:
     return ModelConfig(num_hidden_layers=16, num_experts=16, experts_per_token=4,
                        vocab_size=32768, hidden_size=2048, intermediate_size=2048, head_dim=64,
                        num_attention_heads=32, num_key_value_heads=8, sliding_window=128,
-                       dtype="bfloat16", param_dtype="bfloat16", remat=True)
+                       dtype="bfloat16", param_dtype="bfloat16")
 
 
 def custom_calls(hlo_text: str) -> dict[str, int]:
@@ -61,12 +62,15 @@ def run(batch: int, seq_len: int, steps: int, quick: bool, attention_impl: str =
 
     t0 = time.perf_counter()
     cfg = quick_model_config().replace(dtype="bfloat16") if quick else check_config()
-    cfg = cfg.replace(attention_impl=attention_impl, moe_dispatch=moe_dispatch)
+    # The check model recomputes each layer in the backward pass (fits seq 2,048 at batch 8).
+    execution = ExecutionConfig(attention_impl=attention_impl, moe_dispatch=moe_dispatch,
+                                remat=not quick)
     if quick:
         batch, seq_len, steps = 2, 16, 1
     tc = tiny_run_config().train.copy_and_resolve_references()
     tc.batch_size, tc.grad_accum_steps = batch, 1
-    trainer = JaxTrainer(cfg, tc, random_batch(cfg.vocab_size, batch, seq_len))
+    trainer = JaxTrainer(cfg, tc, random_batch(cfg.vocab_size, batch, seq_len),
+                         execution=execution)
     hlo = trainer.steps.train.lower(trainer.state, trainer.batch).compile().as_text()
     trainer(1)  # compile and warm up
     t1 = time.perf_counter()
@@ -79,7 +83,8 @@ def run(batch: int, seq_len: int, steps: int, quick: bool, attention_impl: str =
             "batch": batch, "seq_len": seq_len, "steps": steps, "step_s": step_s,
             "tokens_per_s": tps, "mfu": tps * flops_per_token(cfg, seq_len) / peak,
             "peak_flops": peak, "peak_source": source, "loss": trainer.loss,
-            "kernels": kernels_line(cfg, batch, seq_len), "custom_calls": custom_calls(hlo),
+            "kernels": kernels_line(cfg, execution, batch, seq_len),
+            "custom_calls": custom_calls(hlo),
             "setup_s": t1 - t0}
 
 
@@ -89,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="tiny model, one step (CPU smoke run)")
-    p.add_argument("--attention_impl", default="auto", help="ModelConfig.attention_impl")
-    p.add_argument("--moe_dispatch", default="auto", help="ModelConfig.moe_dispatch")
+    p.add_argument("--attention_impl", default="auto", help="ExecutionConfig.attention_impl")
+    p.add_argument("--moe_dispatch", default="auto", help="ExecutionConfig.moe_dispatch")
     a = p.parse_args(argv)
     r = run(a.batch, a.seq_len, a.steps, a.quick, a.attention_impl, a.moe_dispatch)
     print(f"device {r['device']} ({r['backend']}); model {r['active_params'] / 1e9:.2f}B active "

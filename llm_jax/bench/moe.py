@@ -21,13 +21,14 @@ from flax import nnx
 
 from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.moe import MoE
 
 EXPERTS = (8, 16, 32, 64)
 PATHS = ("dense", "ragged", "blocked", "capacity")
 
 
-def fwd_bwd(cfg: ModelConfig, tokens: int, seed: int = 0):
+def fwd_bwd(cfg: ModelConfig, execution: ExecutionConfig, tokens: int, seed: int = 0):
     """A zero-argument call running one jitted forward + backward of a fresh MoE layer."""
     layer = MoE(cfg, rngs=nnx.Rngs(params=seed))
     graphdef, params = nnx.split(layer)
@@ -36,7 +37,7 @@ def fwd_bwd(cfg: ModelConfig, tokens: int, seed: int = 0):
     ct = jnp.asarray(rng.normal(size=(1, tokens, cfg.hidden_size)), cfg.compute_dtype)
 
     def loss(params, x):
-        y, aux = nnx.merge(graphdef, params)(x, train=True)  # the dispatch as configured
+        y, aux = nnx.merge(graphdef, params)(x, train=True, execution=execution)
         return jnp.sum(y * ct) + aux.load_balancing_loss
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
@@ -52,7 +53,8 @@ def run(*, repeats: int = 5, quick: bool = False, experts: tuple[int, ...] = EXP
     for e in experts:
         cfg = ModelConfig(num_experts=e, experts_per_token=k, hidden_size=hidden,
                           intermediate_size=intermediate)
-        fns.update({(e, p): fwd_bwd(cfg.replace(moe_dispatch=p), tokens) for p in paths})
+        fns.update({(e, p): fwd_bwd(cfg, ExecutionConfig(moe_dispatch=p), tokens)
+                    for p in paths})
     # Every (E, path) in one interleaved round, so load drift cannot fake a growth in E.
     times = alternate(fns, repeats=repeats)
     rows = [{"num_experts": e, **{p: {"time_s": median(times[e, p]), "times_s": times[e, p]}

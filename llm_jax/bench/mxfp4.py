@@ -170,6 +170,7 @@ def measure(*, phases: dict[str, Any], directory: str, prompt_len: int, new_toke
     import jax.numpy as jnp
     from flax import nnx
 
+    from llm_jax.execution import ExecutionConfig
     from llm_jax.inference.loop import prefill
     from llm_jax.inference.sampler import sample
     from llm_jax.model.kv_cache import init_cache
@@ -183,7 +184,7 @@ def measure(*, phases: dict[str, Any], directory: str, prompt_len: int, new_toke
         # remat: the QLoRA step recomputes each layer in its backward pass (at seq 256 a 24-layer
         # step then peaks at 18.4 GiB, 20.3 without); the inference phases, which run with a
         # KV cache, are the same programs either way.
-        holder["model"] = load_pretrained(directory, remat=True)
+        holder["model"] = load_pretrained(directory, execution=ExecutionConfig(remat=True))
         jax.block_until_ready(nnx.state(holder["model"]))
         cfg = holder["model"].cfg
         held = sum(x.nbytes for x in jax.tree.leaves(nnx.state(holder["model"])))

@@ -14,20 +14,23 @@ from typing import Any
 
 from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.bench.train import JaxTrainer, quick_model_config, random_batch, tiny_run_config
-from llm_jax.training.run_config import model_config
+from llm_jax.execution import ExecutionConfig
+from llm_jax.training.run_config import execution_config, model_config
 
 
 def run(*, repeats: int = 7, steps: int = 2, quick: bool = False, shape: tuple[int, int] = (8, 256),
         dtype: str = "float32") -> dict[str, Any]:
     run_cfg = tiny_run_config()
-    base = model_config(run_cfg).replace(dtype=dtype)
+    base, execution = model_config(run_cfg).replace(dtype=dtype), execution_config(run_cfg)
     if quick:
         base, shape, repeats, steps = quick_model_config().replace(dtype=dtype), (2, 16), 1, 1
+        execution = ExecutionConfig()
     b, t = shape
     tc = run_cfg.train.copy_and_resolve_references()
     tc.batch_size, tc.grad_accum_steps = b, 1
     batch = random_batch(base.vocab_size, b, t)
-    trainers = {n: JaxTrainer(base.replace(norm_type=n), tc, batch) for n in ("rms", "layer")}
+    trainers = {n: JaxTrainer(base.replace(norm_type=n), tc, batch, execution=execution)
+                for n in ("rms", "layer")}
     times = alternate({n: (lambda f=f: f(steps)) for n, f in trainers.items()}, repeats=repeats)
     res = {n: {"step_s": median(ts) / steps, "times_s": ts} for n, ts in times.items()}
     return {"benchmark": "norm", "machine": machine(), "repeats": repeats, "batch": b,

@@ -28,8 +28,9 @@ import numpy as np
 
 from llm_jax.bench.common import Isolated, alternate, machine, median, table, torch_info
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.costs import flops_per_token
-from llm_jax.training.run_config import model_config
+from llm_jax.training.run_config import execution_config, model_config
 
 SHAPES = ((8, 256), (4, 1024))
 DTYPES = ("float32", "bfloat16")
@@ -148,9 +149,9 @@ class Repeated:
         return self.trainer.loss
 
 
-def jax_contender(cfg: ModelConfig, train_cfg, batch: dict[str, np.ndarray], steps: int
-                  ) -> Repeated:
-    return Repeated(JaxTrainer(cfg, train_cfg, batch), steps)
+def jax_contender(cfg: ModelConfig, train_cfg, batch: dict[str, np.ndarray], steps: int,
+                  execution: ExecutionConfig = ExecutionConfig()) -> Repeated:
+    return Repeated(JaxTrainer(cfg, train_cfg, batch, execution=execution), steps)
 
 
 def torch_contender(cfg: ModelConfig, train_cfg, batch: dict[str, np.ndarray], steps: int,
@@ -175,9 +176,10 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
         hf: bool = True, peaks: dict[str, float] | None = None,
         profile: bool = False) -> dict[str, Any]:
     run_cfg = tiny_run_config()
-    base = model_config(run_cfg)
+    base, execution = model_config(run_cfg), execution_config(run_cfg)
     if quick:
         base, shapes, repeats, steps = quick_model_config(), ((2, 16),), 1, 1
+        execution = ExecutionConfig()
     if peaks is None:
         peaks, peak_sources = measure_peaks(dtypes, quick=quick)
     else:
@@ -191,7 +193,8 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
             tc = run_cfg.train.copy_and_resolve_references()
             tc.batch_size, tc.grad_accum_steps = b, 1
             # Each side in its own process, the same weights (hf_model exports llm_jax's init).
-            fns = {"llm_jax": Isolated(functools.partial(jax_contender, cfg, tc, batch, steps))}
+            fns = {"llm_jax": Isolated(functools.partial(jax_contender, cfg, tc, batch, steps,
+                                                         execution))}
             if hf:
                 fns["transformers"] = Isolated(functools.partial(
                     torch_contender, base, tc, batch, steps, dtype == "bfloat16"))
@@ -213,7 +216,7 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
             if profile:
                 from llm_jax.bench.profile import breakdown, format_breakdown
 
-                j = JaxTrainer(cfg, tc, batch)  # in this process, for the profiler
+                j = JaxTrainer(cfg, tc, batch, execution=execution)  # here, for the profiler
                 j(1)
                 hlo = j.steps.train.lower(j.state, j.batch).compile().as_text()
                 row["llm_jax"]["profile"] = breakdown(lambda: j(1), hlo)
@@ -221,7 +224,7 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
             rows.append(row)
             print(format_rows([row]), flush=True)
     return {"benchmark": "train", "machine": {**machine(), **torch_versions}, "repeats": repeats,
-            "model": base.to_dict(), "peak_flops": peaks, "peak_source": peak_sources,
+            "model": base.to_dict(), "execution": execution.to_dict(), "peak_flops": peaks, "peak_source": peak_sources,
             "rows": rows}
 
 

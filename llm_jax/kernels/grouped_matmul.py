@@ -19,9 +19,9 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm
 from llm_jax.kernels import gmm_gpu
 
 LANES = 128
-# megablox's (tm, tk, tn) by default (ModelConfig.gmm_tile_m / _k / _n). Each row tile reads its
-# expert's whole [K, N] weight and each of the N / tn column tiles reads the rows again, so the
-# bytes of one call are about x (N / tn) + (M / tm + E) w_expert + y (megablox's own cost
+# megablox's (tm, tk, tn) by default (ExecutionConfig.gmm_tile_m / _k / _n). Each row tile
+# reads its expert's whole [K, N] weight and each of the N / tn column tiles reads the rows
+# again, so the bytes of one call are about x (N / tn) + (M / tm + E) w_expert + y (megablox's own cost
 # estimate). Compiled for v5p (gpt-oss-20b's 2-layer step at 8k tokens per chip, docs/
 # scaling.md): (1024, 512, 1024) reads 2-3 % fewer bytes than this default, with the same
 # temporaries at a 40,960-row buffer but 4.7 GiB more dropless (131,072 rows); (1024, 1024,

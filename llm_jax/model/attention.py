@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.kernels.flash_attention_gpu import flash_attend
 from llm_jax.kernels.splash_attention import index_positions, splash_attend
 from llm_jax.model.attention_math import attend, attend_heads_major, attention_mask
@@ -80,6 +81,8 @@ class Attention(nnx.Module):
         window: jax.Array | int,
         segment_ids_BT: jax.Array | None = None,
         cache: LayerCache | None = None,
+        *,
+        execution: ExecutionConfig = ExecutionConfig(),
     ) -> tuple[jax.Array, LayerCache | None]:
         """(output [B, T, D], the updated cache or None). See the module docstring for the
         three modes; a prefill must start from an empty cache at positions 0..T-1."""
@@ -90,7 +93,7 @@ class Attention(nnx.Module):
         if cache is not None and t == 1:
             o, cache = self.decode(q, k, v, positions_BT[:, 0], window, cache)
         else:
-            o = self.self_attend(q, k, v, positions_BT, window, segment_ids_BT)
+            o = self.self_attend(q, k, v, positions_BT, window, segment_ids_BT, execution)
             if cache is not None:
                 valid = positions_BT if segment_ids_BT is None else \
                     jnp.where(segment_ids_BT != 0, positions_BT, -1)
@@ -99,12 +102,13 @@ class Attention(nnx.Module):
         return self.out(o), cache
 
     def self_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions_BT: jax.Array,
-                    window: jax.Array | int, segment_ids_BT: jax.Array | None) -> jax.Array:
+                    window: jax.Array | int, segment_ids_BT: jax.Array | None,
+                    execution: ExecutionConfig = ExecutionConfig()) -> jax.Array:
         """Self-attention by the implementation model/select.py names for this backend and
         shape, from the `ATTENTIONS` table; the mask inputs are built here, once."""
         b, t = positions_BT.shape
         mask = MaskInputs(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
-        impl = ATTENTIONS[attention_impl(self.cfg, b, t, t)]
+        impl = ATTENTIONS[attention_impl(self.cfg, execution, b, t, t)]
         return impl(q, k, v, self.sinks[...], mask, self.cfg)
 
     def decode(self, q_B1NH: jax.Array, k_B1KH: jax.Array, v_B1KH: jax.Array,

@@ -21,6 +21,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.kv_cache import layer_slots
 from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.model.moe_dispatch import capacity
@@ -169,21 +170,24 @@ def decode_flops_per_token(cfg: ModelConfig, context_len: int) -> float:
     return matmul_flops_per_token(cfg) + 4 * keys * n * h
 
 
-def expert_slots_per_token(cfg: ModelConfig, num_tokens: int) -> float:
+def expert_slots_per_token(cfg: ModelConfig, num_tokens: int, *,
+                           execution: ExecutionConfig = ExecutionConfig()) -> float:
     """Expert computations a training step's dispatch runs per token: E (dense), E x C / T
     (capacity, expert_parallel*: every slot is computed, filled or not; ~factor x k), else k
     (the dropless sparse dispatches)."""
-    if cfg.moe_dispatch == "dense":
+    if execution.moe_dispatch == "dense":
         return cfg.num_experts
-    if cfg.moe_dispatch in ("capacity", "expert_parallel", "expert_parallel_gmm"):
-        return cfg.num_experts * capacity(num_tokens, cfg) / num_tokens
+    if execution.moe_dispatch in ("capacity", "expert_parallel", "expert_parallel_gmm"):
+        return cfg.num_experts * capacity(num_tokens, cfg, execution.moe_capacity_factor) \
+            / num_tokens
     return cfg.experts_per_token
 
 
-def executed_forward_flops_per_token(cfg: ModelConfig, seq_len: int, batch: int) -> float:
+def executed_forward_flops_per_token(cfg: ModelConfig, seq_len: int, batch: int, *,
+                                     execution: ExecutionConfig = ExecutionConfig()) -> float:
     """FLOPs the einsum code actually runs per token (hardware, not model FLOPs): the full T x T
     scores, and every expert slot of the configured dispatch."""
-    slots = expert_slots_per_token(cfg, batch * seq_len)
+    slots = expert_slots_per_token(cfg, batch * seq_len, execution=execution)
     return 2 * matmul_params(cfg, slots) + attention_flops_per_token(
         cfg, seq_len, skip_masked=False)
 
@@ -351,9 +355,10 @@ class Adapters(NamedTuple):
     targets: tuple[str, ...]
 
 
-def _abstract_train_model(cfg: ModelConfig, adapters: Adapters | None) -> nnx.Module:
+def _abstract_train_model(cfg: ModelConfig, adapters: Adapters | None,
+                          execution: ExecutionConfig = ExecutionConfig()) -> nnx.Module:
     def build() -> nnx.Module:
-        model = Transformer(cfg, rngs=nnx.Rngs(params=0))
+        model = Transformer(cfg, rngs=nnx.Rngs(params=0), execution=execution)
         if adapters is not None:
             add_lora(model, rank=adapters.rank, alpha=adapters.alpha, targets=adapters.targets,
                      seed=0)
@@ -380,15 +385,15 @@ def state_bytes(cfg: ModelConfig, mesh: dict[str, int],
             "trained": sum(_variable_bytes(v, mesh) for v in leaves(trained))}
 
 
-def _saved_activations(cfg: ModelConfig, adapters: Adapters | None, batch: int,
-                       seq_len: int, mesh: dict[str, int], platform: str
-                       ) -> tuple[float, float]:
+def _saved_activations(cfg: ModelConfig, execution: ExecutionConfig,
+                       adapters: Adapters | None, batch: int, seq_len: int,
+                       mesh: dict[str, int], platform: str) -> tuple[float, float]:
     """(bytes per device the loss's forward pass saves for its backward pass, the part of them
     one layer saves), traced for `platform` on an abstract `mesh`."""
     # Every parameter is differentiated here (a frozen one is an argument all the same, never
     # saved); what it adds is the layer inputs its gradient would need, saved for the trained
     # weights beside it anyway.
-    graphdef, params = nnx.split(_abstract_train_model(cfg, adapters), nnx.Param)
+    graphdef, params = nnx.split(_abstract_train_model(cfg, adapters, execution), nnx.Param)
 
     def loss(params, tokens):
         m = nnx.merge(graphdef, params)
@@ -401,7 +406,8 @@ def _saved_activations(cfg: ModelConfig, adapters: Adapters | None, batch: int,
     n = batch * seq_len
     with jax.sharding.use_abstract_mesh(abstract), compiling_for(platform):
         saved = saved_residuals(loss, params, tokens)
-        dispatch = cfg.moe_dispatch if cfg.moe_dispatch != "auto" else auto_moe(cfg, n)
+        dispatch = (execution.moe_dispatch if execution.moe_dispatch != "auto"
+                    else auto_moe(cfg, n))
     rows_split = dispatch in SHARD_MAP_DISPATCHES
     sizes = {"L": cfg.num_hidden_layers, "B": batch, "T": seq_len, "tokens": n,
              "assignments": n * cfg.experts_per_token, "E": cfg.num_experts,
@@ -423,7 +429,8 @@ def _saved_activations(cfg: ModelConfig, adapters: Adapters | None, batch: int,
 
 def memory_per_device(
     cfg: ModelConfig, *, batch: int, seq_len: int, mesh: dict[str, int],
-    adapters: Adapters | None = None, platform: str = "tpu",
+    execution: ExecutionConfig = ExecutionConfig(), adapters: Adapters | None = None,
+    platform: str = "tpu",
 ) -> dict[str, Any]:
     """Estimated bytes per device of a training step (MEMORY_ASSUMPTIONS): params, gradients,
     Adam m + v, saved activations and the backward pass's working set, for `platform`'s
@@ -440,16 +447,17 @@ def memory_per_device(
     # merge the recomputation with the forward pass it repeats (jax.checkpoint's
     # prevent_cse=False): the small model of the tests saves all it saves without remat, the
     # tiny config part of it. Priced without remat there: an upper bound.
-    traced = cfg.replace(remat=cfg.remat and cfg.scan_layers)
-    saved, layer = _saved_activations(traced, adapters, batch, seq_len, mesh, platform)
+    traced = execution.replace(remat=execution.remat and execution.scan_layers)
+    saved, layer = _saved_activations(cfg, traced, adapters, batch, seq_len, mesh, platform)
     if traced.remat:  # the backward pass recomputes one layer's saved set, then its gradients
         layer = REMAT_WORKING * _saved_activations(
-            traced.replace(remat=False), adapters, batch, seq_len, mesh, platform)[1]
+            cfg, traced.replace(remat=False), adapters, batch, seq_len, mesh, platform)[1]
     else:  # the last layer's gradients, as its saved set is freed
         layer *= WORKING
     tokens = batch // batch_shards * seq_len
     vocab = cfg.vocab_size / _shard_count((cfg.vocab_size,), ("vocab",), mesh)
-    loss = (cfg.loss_group_chunks + 1) * min(tokens, cfg.loss_chunk_tokens) * vocab * 4
+    loss = (execution.loss_group_chunks + 1) * min(tokens, execution.loss_chunk_tokens) \
+        * vocab * 4
     out = {"params": state["params"], "grads": state["trained"],
            "adam_m_v": 2 * state["trained"], "activations": saved, "working": max(layer, loss)}
     out["total"] = sum(out.values())

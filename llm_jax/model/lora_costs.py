@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.costs import Adapters, memory_per_device
 
 LORA_ASSUMPTIONS = (
@@ -46,12 +47,14 @@ def lora_param_counts(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> 
 
 def finetune_memory_per_device(cfg: ModelConfig, *, batch: int, seq_len: int,
                                mesh: dict[str, int], rank: int, targets: tuple[str, ...],
-                               alpha: float = 16.0, platform: str = "tpu") -> dict[str, Any]:
+                               alpha: float = 16.0, platform: str = "tpu",
+                               execution: ExecutionConfig = ExecutionConfig()) -> dict[str, Any]:
     """{"full": bytes by part, "lora": bytes by part}, per device (`memory_per_device`)."""
     parts = ("params", "grads", "adam_m_v", "activations", "working", "total")
-    full = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh, platform=platform)
+    full = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh, platform=platform,
+                             execution=execution)
     lora = memory_per_device(cfg, batch=batch, seq_len=seq_len, mesh=mesh, platform=platform,
-                             adapters=Adapters(rank, alpha, tuple(targets)))
+                             execution=execution, adapters=Adapters(rank, alpha, tuple(targets)))
     return {"full": {k: full[k] for k in parts}, "lora": {k: lora[k] for k in parts},
             "rank": rank, "targets": list(targets),
             "adapter_params": sum(lora_param_counts(cfg, rank, targets).values()),

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.experts import ExpertWeights, Routing
 from llm_jax.model.lora import adapted
 from llm_jax.model.moe_dispatch import select_dispatch
@@ -91,16 +92,17 @@ class MoE(nnx.Module):
             adapted(self, "down_proj", cdt), self.down_proj_bias[...].astype(cdt),
         )
 
-    def __call__(self, x_BTD: jax.Array, *, train: bool = False) -> tuple[jax.Array, MoEAux]:
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False,
+                 execution: ExecutionConfig = ExecutionConfig()) -> tuple[jax.Array, MoEAux]:
         """`train=True` lets a dropping dispatch (capacity, expert_parallel) run; otherwise
-        the layer is exact whatever `moe_dispatch` says."""
+        the layer is exact whatever `execution.moe_dispatch` says."""
         cfg = self.cfg
         b, t, d = x_BTD.shape
         chex.assert_shape(x_BTD, (b, t, cfg.hidden_size))
         x_TD = x_BTD.reshape(b * t, d).astype(cfg.compute_dtype)
         routing = route(x_TD, self.router[...], self.router_bias[...], cfg.experts_per_token)
-        dispatch = select_dispatch(cfg, b * t, train=train)
-        y_TD, drop = dispatch(x_TD, routing, self.expert_weights(), cfg)
+        dispatch = select_dispatch(cfg, execution, b * t, train=train)
+        y_TD, drop = dispatch(x_TD, routing, self.expert_weights(), cfg, execution)
         lb, z, load = router_aux(routing, cfg.num_experts)
         y = y_TD.reshape(b, t, d).astype(cfg.compute_dtype)
         return y, MoEAux(lb, z, load, drop)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.experts import (
     ExpertWeights,
     Routing,
@@ -143,9 +144,9 @@ def moe_blocked(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: floa
     return combine(y_AD.reshape(t, k, d), routing.weights_Tk)
 
 
-def capacity(num_tokens: int, cfg: ModelConfig) -> int:
+def capacity(num_tokens: int, cfg: ModelConfig, factor: float) -> int:
     """Slots per expert: ceil(factor * T * k / E), at most T (an expert sees a token once)."""
-    slots = math.ceil(cfg.moe_capacity_factor * num_tokens * cfg.experts_per_token / cfg.num_experts)
+    slots = math.ceil(factor * num_tokens * cfg.experts_per_token / cfg.num_experts)
     return max(1, min(num_tokens, slots))
 
 
@@ -178,61 +179,62 @@ def moe_capacity(
 # ---------------------------------------------------------------------------------------------
 # The table.
 
-DispatchFn = Callable[[jax.Array, Routing, ExpertWeights, ModelConfig],
+DispatchFn = Callable[[jax.Array, Routing, ExpertWeights, ModelConfig, ExecutionConfig],
                       tuple[jax.Array, jax.Array]]
 
 
 class Dispatch(NamedTuple):
-    fn: DispatchFn  # (x_TD, routing, weights, cfg) -> (y_TD, drop fraction)
+    fn: DispatchFn  # (x_TD, routing, weights, cfg, execution) -> (y_TD, drop fraction)
     drops: bool  # may drop assignments: used only when training asks for it
 
 
 def _no_drops(f: Callable[..., jax.Array]) -> DispatchFn:
-    return lambda x, r, w, cfg: (f(x, r, w, cfg.swiglu_limit), jnp.zeros((), jnp.float32))
+    return lambda x, r, w, cfg, ex: (f(x, r, w, cfg.swiglu_limit), jnp.zeros((), jnp.float32))
 
 
-def _gmm_kernel(cfg: ModelConfig) -> dict[str, Any]:
+def _gmm_kernel(ex: ExecutionConfig) -> dict[str, Any]:
     """The grouped-matmul kernel for the target backend: Triton on GPU, else megablox (on CPU in
-    interpret mode, as the tests run it) with the config's tiles."""
+    interpret mode, as the tests run it) with the execution config's tiles."""
     platform = backend()
-    tile = (cfg.gmm_tile_m, cfg.gmm_tile_k, cfg.gmm_tile_n)
+    tile = (ex.gmm_tile_m, ex.gmm_tile_k, ex.gmm_tile_n)
     if platform == "gpu":
         return {"kernel": "triton", "interpret": False, "tile": tile}
     return {"kernel": "megablox", "interpret": platform != "tpu", "tile": tile}
 
 
-def _gmm(x, r, w, cfg):
-    return (moe_gmm(x, r, w, cfg.swiglu_limit, unpack_mib=cfg.mxfp4_unpack_mib,
-                    **_gmm_kernel(cfg)), jnp.zeros((), jnp.float32))
+def _gmm(x, r, w, cfg, ex):
+    return (moe_gmm(x, r, w, cfg.swiglu_limit, unpack_mib=ex.mxfp4_unpack_mib,
+                    **_gmm_kernel(ex)), jnp.zeros((), jnp.float32))
 
 
-def _blocked(x, r, w, cfg):
-    return (moe_blocked(x, r, w, cfg.swiglu_limit, unpack_mib=cfg.mxfp4_unpack_mib),
+def _blocked(x, r, w, cfg, ex):
+    return (moe_blocked(x, r, w, cfg.swiglu_limit, unpack_mib=ex.mxfp4_unpack_mib),
             jnp.zeros((), jnp.float32))
 
 
-def _capacity(x, r, w, cfg):
-    return moe_capacity(x, r, w, cfg.swiglu_limit, capacity(x.shape[0], cfg))
+def _capacity(x, r, w, cfg, ex):
+    return moe_capacity(x, r, w, cfg.swiglu_limit,
+                        capacity(x.shape[0], cfg, ex.moe_capacity_factor))
 
 
-def _expert_parallel(x, r, w, cfg):
-    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, cfg.moe_capacity_factor)
+def _expert_parallel(x, r, w, cfg, ex):
+    return moe_expert_parallel(x, r, w, cfg.swiglu_limit, ex.moe_capacity_factor)
 
 
-def _expert_parallel_exact(x, r, w, cfg):
+def _expert_parallel_exact(x, r, w, cfg, ex):
     # A factor of E >= the expert-axis size gives every device pair all A slots: no drops.
     return moe_expert_parallel(x, r, w, cfg.swiglu_limit, float(cfg.num_experts))
 
 
-def _expert_parallel_gmm(x, r, w, cfg, factor: float | None = None):
+def _expert_parallel_gmm(x, r, w, cfg, ex, factor: float | None = None):
     if factor is None:
-        factor = cfg.moe_capacity_factor
+        factor = ex.moe_capacity_factor
     return moe_expert_parallel(x, r, w, cfg.swiglu_limit, factor,
-                               unpack_mib=cfg.mxfp4_unpack_mib, **_gmm_kernel(cfg))
+                               unpack_mib=ex.mxfp4_unpack_mib, **_gmm_kernel(ex))
 
 
-def _expert_parallel_gmm_exact(x, r, w, cfg):
-    return _expert_parallel_gmm(x, r, w, cfg, float(cfg.num_experts))
+def _expert_parallel_gmm_exact(x, r, w, cfg, ex):
+    return _expert_parallel_gmm(x, r, w, cfg, ex, float(cfg.num_experts))
 
 
 DISPATCHES: dict[str, Dispatch] = {
@@ -250,12 +252,13 @@ EXACT_FALLBACK: dict[str, DispatchFn] = {"expert_parallel": _expert_parallel_exa
                                           "expert_parallel_gmm": _expert_parallel_gmm_exact}
 
 
-def select_dispatch(cfg: ModelConfig, num_tokens: int, *, train: bool) -> DispatchFn:
+def select_dispatch(cfg: ModelConfig, execution: ExecutionConfig, num_tokens: int, *,
+                    train: bool) -> DispatchFn:
     """The dispatch a call runs: the configured one, unless it drops and this is not training
     (then `gather` for a decode step, T k <= E, which reads only the chosen experts and needs no
     token split over the expert axis; else the exact one of the same kind, or `auto`'s
     choice); `auto` by shape and backend."""
-    name = cfg.moe_dispatch
+    name = execution.moe_dispatch
     auto = auto_moe(cfg, num_tokens)
     if name != "auto":
         dispatch = DISPATCHES[name]

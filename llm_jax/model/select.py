@@ -2,7 +2,7 @@
 The one place that decides: `attention_impl` for the layer's attention, `auto_moe` and
 `moe_impl` for the MoE dispatch (`model/moe_dispatch.py` runs what they name).
 
-`ModelConfig.attention_impl` and `ModelConfig.moe_dispatch` override it. The table is by
+`ExecutionConfig.attention_impl` and `ExecutionConfig.moe_dispatch` override it. The table is by
 backend because a kernel is only fast (or only runs) where it was written for: splash attention
 and megablox are Pallas TPU kernels (on CPU they would run in the slow interpret mode), and
 XLA:CPU lowers `ragged_dot` densely.
@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax.experimental.pallas.tpu  # noqa: F401
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.kernels.flash_attention_gpu import flash_applies
 from llm_jax.kernels.splash_attention import splash_applies
 from llm_jax.model.blockwise_attention import use_blockwise
@@ -51,10 +52,10 @@ def _row(platform: str | None) -> dict[str, str]:
     return AUTO.get(platform or backend(), AUTO["gpu"])
 
 
-def attention_impl(cfg: ModelConfig, batch: int, q_len: int, kv_len: int,
-                   platform: str | None = None) -> str:
+def attention_impl(cfg: ModelConfig, execution: ExecutionConfig, batch: int, q_len: int,
+                   kv_len: int, platform: str | None = None) -> str:
     """'direct', 'blockwise', 'splash' or 'flash' for a self-attention call of this shape."""
-    name = cfg.attention_impl
+    name = execution.attention_impl
     if name == "auto":
         name = _row(platform)["attention"]
     if name == "splash" and not (q_len > 1 and splash_applies(q_len, kv_len)):
@@ -76,16 +77,16 @@ def auto_moe(cfg: ModelConfig, num_tokens: int | None = None,
     return _row(platform)["moe"]
 
 
-def moe_impl(cfg: ModelConfig, platform: str | None = None) -> str:
+def moe_impl(cfg: ModelConfig, execution: ExecutionConfig, platform: str | None = None) -> str:
     """The MoE dispatch a run names for many tokens (T k > E) on `platform`."""
-    if cfg.moe_dispatch != "auto":
-        return cfg.moe_dispatch
+    if execution.moe_dispatch != "auto":
+        return execution.moe_dispatch
     return auto_moe(cfg, None, platform)
 
 
-def kernels_line(cfg: ModelConfig, batch: int, seq_len: int,
+def kernels_line(cfg: ModelConfig, execution: ExecutionConfig, batch: int, seq_len: int,
                  platform: str | None = None) -> str:
     """'attention=splash moe=gmm (tpu)': what a training step of this shape runs."""
     p = platform or backend()
-    return (f"attention={attention_impl(cfg, batch, seq_len, seq_len, p)} "
-            f"moe={moe_impl(cfg, p)} ({p})")
+    return (f"attention={attention_impl(cfg, execution, batch, seq_len, seq_len, p)} "
+            f"moe={moe_impl(cfg, execution, p)} ({p})")

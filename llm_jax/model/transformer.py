@@ -4,13 +4,18 @@ Shapes: B batch, T time, D hidden, V vocab, L layers, E experts.
 
 The L blocks are created stacked (every weight gets a leading `layers` axis) and run with one
 `jax.lax.scan`, so compile time does not grow with depth. Even and odd layers differ only in
-their sliding window, which is scanned as data next to the weights. `scan_layers=False` unrolls
-the same scan: the weights stay stacked (one checkpoint layout), but XLA then sees L separate
-layers and needs no loop-carried buffers for the saved activations and stacked gradients.
+their sliding window, which is scanned as data next to the weights. `scan_layers=False`
+(ExecutionConfig) unrolls the same scan: the weights stay stacked (one checkpoint layout), but
+XLA then sees L separate layers and needs no loop-carried buffers for the saved activations and
+stacked gradients.
 
 With a KV cache (prefill and decode) the layers run as a Python loop, because a sliding layer's
 cache is smaller than a full layer's; each layer's cache is its own array (model/kv_cache.py).
 Training, evaluation, prefill and decode all run these same `Block`s.
+
+How the model runs (`llm_jax.execution.ExecutionConfig`: MoE dispatch, attention kernel, loss
+chunks, remat, scan) is held once, by the Transformer (`model.execution`), and passed down at call
+time: changing a model's execution is one assignment, never a new model.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.attention import Attention
 from llm_jax.model.kv_cache import KVCache, LayerCache
 from llm_jax.model.moe import MoE, MoEAux
@@ -53,18 +59,23 @@ class Block(nnx.Module):
         cache: LayerCache | None = None,
         *,
         train: bool = False,
+        execution: ExecutionConfig = ExecutionConfig(),
     ) -> tuple[jax.Array, MoEAux, LayerCache | None]:
-        a, cache = self.attn(self.attn_norm(x_BTD), positions_BT, window, segment_ids_BT, cache)
+        a, cache = self.attn(self.attn_norm(x_BTD), positions_BT, window, segment_ids_BT, cache,
+                             execution=execution)
         x = x_BTD + a
-        y, aux = self.mlp(self.mlp_norm(x), train=train)
+        y, aux = self.mlp(self.mlp_norm(x), train=train, execution=execution)
         return x + y, aux, cache
 
 
 class Transformer(nnx.Module):
-    """The whole network. `model(tokens)` -> float32 logits [B, T, V]."""
+    """The whole network. `model(tokens)` -> float32 logits [B, T, V]. `cfg` is what it is,
+    `execution` how it runs (a static attribute: reassigning it retraces, nothing else)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+                 execution: ExecutionConfig = ExecutionConfig()):
         self.cfg = cfg
+        self.execution = execution
         pd = cfg.weight_dtype
         self.embedding = param(rngs, normal(cfg.initializer_range),
                                (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
@@ -92,7 +103,7 @@ class Transformer(nnx.Module):
         """Final-normed hidden states [B, T, D], per-layer MoE aux (leading axis L) and the
         updated cache (None without one). `train=True` allows a dropping MoE dispatch.
         `layers`: `layer_states()` computed once outside a decode loop (with a cache only)."""
-        cfg = self.cfg
+        cfg, execution = self.cfg, self.execution
         chex.assert_rank(tokens_BT, 2)
         b, t = tokens_BT.shape
         if positions_BT is None:
@@ -105,12 +116,14 @@ class Transformer(nnx.Module):
             def body(x_BTD: jax.Array, xs: tuple[Any, jax.Array]) -> tuple[jax.Array, MoEAux]:
                 state, window = xs
                 y_BTD, aux, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, window,
-                                                            segment_ids_BT, train=train)
+                                                            segment_ids_BT, train=train,
+                                                            execution=execution)
                 return constrain(y_BTD, RESIDUAL), aux
 
-            if cfg.remat:
+            if execution.remat:
                 body = jax.checkpoint(body, prevent_cse=False)
-            x, aux = jax.lax.scan(body, x, (layer_state, windows_L), unroll=cfg.scan_unroll)
+            x, aux = jax.lax.scan(body, x, (layer_state, windows_L),
+                                  unroll=execution.scan_unroll)
         else:
             if len(cache) != cfg.num_hidden_layers:
                 raise ValueError(f"cache has {len(cache)} layers: expected num_hidden_layers="
@@ -121,7 +134,7 @@ class Transformer(nnx.Module):
                          _layer_slice(layer_state, i, None if backend() == "cpu" else x))
                 block = nnx.merge(graphdef, state)
                 x, aux, layer_cache = block(x, positions_BT, cfg.layer_window(i), segment_ids_BT,
-                                            layer_cache, train=train)
+                                            layer_cache, train=train, execution=execution)
                 x = constrain(x, RESIDUAL)
                 auxes.append(aux)
                 new_cache.append(layer_cache)
@@ -147,8 +160,8 @@ class Transformer(nnx.Module):
         (model/unembed_loss.py): what training and evaluation call."""
         return cross_entropy_sum(h_BTD, self.unembedding[...], targets_BT, weights_BT,
                                  dtype=self.cfg.compute_dtype,
-                                 chunk_tokens=self.cfg.loss_chunk_tokens,
-                                 group_chunks=self.cfg.loss_group_chunks)
+                                 chunk_tokens=self.execution.loss_chunk_tokens,
+                                 group_chunks=self.execution.loss_group_chunks)
 
     def __call__(
         self,
@@ -164,13 +177,15 @@ class Transformer(nnx.Module):
         return (logits, aux) if return_aux else logits
 
 
-def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+def init_model(cfg: ModelConfig, seed: int = 0, *,
+               execution: ExecutionConfig = ExecutionConfig()) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed), execution=execution)
 
 
-def abstract_model(cfg: ModelConfig) -> Transformer:
+def abstract_model(cfg: ModelConfig, *,
+                   execution: ExecutionConfig = ExecutionConfig()) -> Transformer:
     """The model with ShapeDtypeStruct leaves: shapes and counts without allocating memory."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0), execution=execution))
 
 
 def _layer_slice(layer_state: nnx.State, i: int, after: jax.Array | None) -> nnx.State:

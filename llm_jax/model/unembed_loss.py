@@ -10,7 +10,7 @@ backward pass only scales two stored arrays by the incoming cotangent: three une
 matmuls as without chunking, and no recomputation (as Liger kernel's fused linear
 cross-entropy does). Evaluation runs the forward half alone.
 
-Chunks come in groups (`group_chunks`, ModelConfig.loss_group_chunks): the logits are formed a
+Chunks come in groups (`group_chunks`, ExecutionConfig.loss_group_chunks): the logits are formed a
 chunk at a time, but their gradients go into dh and dW once a group. dW sums over every token,
 so each product into it reads, writes or (on a mesh that splits the batch) reduce-scatters a
 [V, D] float32 array; a group pays that once for k chunks, and holds k chunks of gradient.
@@ -33,7 +33,7 @@ from llm_jax.parallel.sharding import constrain, mesh_axes, shard_count
 from llm_jax.runtime.backend import backend
 
 # Tokens per chunk and batch shard (B c / S): about 8 MB of float32 logits at V = 8,000, so a
-# chunk stays in cache (ModelConfig.loss_chunk_tokens' default).
+# chunk stays in cache (ExecutionConfig.loss_chunk_tokens' default).
 CHUNK_TOKENS = 256
 # Chunks per loop iteration: more runs no faster on CPU and keeps more chunks alive at once.
 MAX_UNROLL = 2

@@ -53,6 +53,13 @@ def check_overrides(run_cfg: ml_collections.ConfigDict, argv: list[str]) -> None
             if not isinstance(node, ml_collections.ConfigDict) or key not in node:
                 where = ".".join(["config", *done])
                 known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                # A field that lives in another section (an execution setting asked of `model`).
+                moved = [f"config.{s}.{key}" for s, section in run_cfg.items()
+                         if len(done) == 1 and isinstance(section, ml_collections.ConfigDict)
+                         and key in section]
+                if moved:
+                    raise ValueError(f"--config.{'.'.join(path)}: {where} has no field {key!r}; "
+                                     f"it is {moved[0]}: use --{moved[0]}=...")
                 raise ValueError(f"--config.{'.'.join(path)}: {where} has no field {key!r}; "
                                  f"known fields are {known}")
             node, done = node[key], [*done, key]

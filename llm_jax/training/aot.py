@@ -32,6 +32,7 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
+from llm_jax.execution import ExecutionConfig
 from llm_jax.inference.loop import generate_jit
 from llm_jax.inference.sampler import program_inputs
 from llm_jax.model import abstract_model, costs
@@ -40,7 +41,7 @@ from llm_jax.parallel import roofline
 from llm_jax.parallel.sharding import MESH_AXES, make_mesh, state_shardings
 from llm_jax.runtime.backend import compiling_for
 from llm_jax.training import finetune
-from llm_jax.training.run_config import model_config
+from llm_jax.training.run_config import execution_config, model_config
 from llm_jax.training.step import compile_steps
 
 # HBM (bytes) per jax device, by device_kind. Cloud TPU specs: v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
@@ -95,7 +96,7 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
                        hlo_out: str | None = None) -> dict[str, Any]:
     """Lowers and compiles the train step for `devices`; returns memory and timing facts (and
     writes the compiled HLO text to `hlo_out` when given)."""
-    cfg = model_config(run_cfg)
+    cfg, execution = model_config(run_cfg), execution_config(run_cfg)
     tc = ml_collections.ConfigDict(run_cfg.train.to_dict())
     if batch is not None:
         tc.batch_size = batch
@@ -108,9 +109,9 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     t0 = time.perf_counter()
     lora = run_cfg.get("lora")
     rank = lora.rank if lora is not None else 0
-    kw = ({"model_fn": finetune.model_fn(cfg, lora, run_cfg.seed),
+    kw = ({"model_fn": finetune.model_fn(cfg, lora, run_cfg.seed, execution),
            "trainable": finetune.trainable(lora)} if rank else {})
-    steps = compile_steps(cfg, tc, m, run_cfg.seed, **kw)
+    steps = compile_steps(cfg, tc, m, run_cfg.seed, execution=execution, **kw)
     tokens = jax.ShapeDtypeStruct((tc.batch_size, seq_len), jnp.int32,
                                   sharding=steps.batch_sharding)
     platform = getattr(devices[0], "platform", "tpu")
@@ -125,7 +126,7 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     adapters = (costs.Adapters(rank, lora.alpha, finetune.lora_targets(lora)) if rank
                 else None)  # LoRA (QLoRA over packed experts): adapters trained, the base frozen
     estimate = costs.memory_per_device(cfg, batch=tc.batch_size, seq_len=seq_len, mesh=sizes,
-                                       adapters=adapters, platform=platform)
+                                       execution=execution, adapters=adapters, platform=platform)
     hlo = compiled.as_text()
     if hlo_out:
         with open(hlo_out, "w") as f:
@@ -140,8 +141,8 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
         "program": f"train step, LoRA rank {rank}" if rank else "train step",
         "expert_format": cfg.expert_format,
         "mesh": sizes, "batch": tc.batch_size, "seq_len": seq_len,
-        "moe_dispatch": cfg.moe_dispatch, "remat": cfg.remat,
-        "selected": kernels_line(cfg, tc.batch_size, seq_len, platform),
+        "moe_dispatch": execution.moe_dispatch, "remat": execution.remat,
+        "selected": kernels_line(cfg, execution, tc.batch_size, seq_len, platform),
         "kernels": kernels, "kernel_families": roofline.kernel_families(kernels),
         "cost": step_cost, "model_flops_per_chip": model_flops / len(devices),
         "roofline": bound,
@@ -170,13 +171,13 @@ def compile_inference(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
     """Lowers and compiles generation (`llm_jax.sample`: the prefill of `batch` prompts of
     `prompt_len` and the decode loop of `new_tokens`, greedy) for `devices`, the weights
     sharded by the logical-axis rules; per-chip memory next to costs.inference_memory_per_device."""
-    cfg = model_config(run_cfg)
+    cfg, execution = model_config(run_cfg), execution_config(run_cfg)
     if mesh is None:
         mesh = {a: run_cfg.mesh[a] for a in MESH_AXES}
     m = make_mesh(mesh, devices)
     t0 = time.perf_counter()
     compiled = compile_generate(cfg, m, batch=batch, prompt_len=prompt_len,
-                                new_tokens=new_tokens, shard_weights=True)
+                                new_tokens=new_tokens, shard_weights=True, execution=execution)
     seconds = time.perf_counter() - t0
     kind = devices[0].device_kind
     sizes = dict(m.shape)
@@ -185,9 +186,9 @@ def compile_inference(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
     return {"name": run_cfg.get("name", ""), "device_kind": kind, "devices": len(devices),
             "program": "generate (prefill + decode loop)", "expert_format": cfg.expert_format,
             "mesh": sizes, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "moe_dispatch": cfg.moe_dispatch,
-            "selected": kernels_line(cfg, batch, prompt_len, getattr(devices[0], "platform",
-                                                                     "tpu")),
+            "moe_dispatch": execution.moe_dispatch,
+            "selected": kernels_line(cfg, execution, batch, prompt_len,
+                                     getattr(devices[0], "platform", "tpu")),
             "kernels": roofline.kernels_in(compiled.as_text()),
             "compile_seconds": seconds, **_memory(compiled, kind),
             "estimate": {k: estimate[k] for k in ("weights", "kv_cache", "unpacked_experts",
@@ -195,14 +196,15 @@ def compile_inference(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
 
 
 def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int,
-                     shard_weights: bool = False) -> Any:
+                     shard_weights: bool = False,
+                     execution: ExecutionConfig = ExecutionConfig()) -> Any:
     """The compiled program of `llm_jax.sample(model, prompts, mesh=mesh)` for `cfg` (greedy,
     `batch` prompts of `prompt_len`, `new_tokens` new), lowered with abstract weights on
     `mesh`'s devices, for their platform: replicated, or `shard_weights` by the logical-axis
     rules (a model larger than one chip)."""
     plan, args = program_inputs(cfg, [[0] * prompt_len] * batch, new_tokens, 0.0, 0, 1.0, 0,
                                 None, False, max_len=None, cache_dtype=None, mesh=mesh)
-    graphdef, state = nnx.split(abstract_model(cfg))
+    graphdef, state = nnx.split(abstract_model(cfg, execution=execution))
     rep = NamedSharding(mesh, PartitionSpec())
     shardings = (state_shardings(state, mesh) if shard_weights
                  else jax.tree.map(lambda _: rep, state))

@@ -2,9 +2,10 @@
 
 `train.init_from` names any directory `load_pretrained` reads. Its model config is the run's:
 a run config's `model` field left `None` (configs/finetune_*.py) takes the checkpoint's value;
-a set field must equal it unless it only chooses how the function is computed
-(configs.OVERRIDABLE_FIELDS: dtype, param_dtype, moe_dispatch, remat, ...), so a changed shape
-is refused by name. A resumed run takes the config (and params) from its own checkpoint.
+a set field must equal it unless it is a conversion of the weights at load
+(`llm_jax.weights.configs.LOAD_CONVERSIONS`: dtype, param_dtype, expert_format), so a changed
+shape is refused by name. How the model runs is the run config's `execution` section, never the checkpoint's. A
+resumed run takes the model config (and params) from its own checkpoint.
 
 QLoRA: `model.expert_format` left None keeps the checkpoint's format, so gpt-oss as released
 loads with its MoE experts packed in MXFP4 (frozen `PackedParam`s) and LoRA (lora.rank > 0)
@@ -26,12 +27,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.model.params import TRAINABLE
 from llm_jax.model.transformer import Transformer
 from llm_jax.training.step import ModelFn, Steps, TrainState
 from llm_jax.weights.checkpointing import Checkpointer
-from llm_jax.weights.configs import OVERRIDABLE_FIELDS
+from llm_jax.weights.configs import LOAD_CONVERSIONS
 from llm_jax.weights.readers import FORMATS, detect_format, load_pretrained
 
 
@@ -53,20 +55,21 @@ def pretrained_config(path: str) -> ModelConfig:
 
 def resolve_model_config(model: ml_collections.ConfigDict, base: ModelConfig,
                          source: str) -> ModelConfig:
-    """`base` with the run's implementation overrides; any other differing field is refused."""
+    """`base` with the run's conversions (LOAD_CONVERSIONS); any other differing field is
+    refused."""
     given = {k: v for k, v in model.to_dict().items() if v is not None}
     unknown = sorted(set(given) - set(base.to_dict()))
     if unknown:
         raise ValueError(f"unknown model config field(s) {unknown}")
     conflicts = {k: v for k, v in given.items()
-                 if k not in OVERRIDABLE_FIELDS and v != getattr(base, k)}
+                 if k not in LOAD_CONVERSIONS and v != getattr(base, k)}
     if conflicts:
         lines = ", ".join(f"model.{k}={v!r} (checkpoint: {getattr(base, k)!r})"
                           for k, v in sorted(conflicts.items()))
         raise ValueError(f"train.init_from={source!r} fixes the model's architecture, but the "
-                         f"run config changes it: {lines}. Only {list(OVERRIDABLE_FIELDS)} may "
+                         f"run config changes it: {lines}. Only {list(LOAD_CONVERSIONS)} may "
                          "differ; leave the others unset (None)")
-    return base.replace(**{k: v for k, v in given.items() if k in OVERRIDABLE_FIELDS})
+    return base.replace(**{k: v for k, v in given.items() if k in LOAD_CONVERSIONS})
 
 
 def check_trainable(cfg: ModelConfig, lora: ml_collections.ConfigDict, source: str) -> None:
@@ -84,11 +87,13 @@ def lora_targets(lora: ml_collections.ConfigDict) -> tuple[str, ...]:
     return tuple(t.strip() for t in lora.targets.split(",") if t.strip())
 
 
-def model_fn(cfg: ModelConfig, lora: ml_collections.ConfigDict, seed: int) -> ModelFn:
-    """Builds the run's model: the Transformer, with adapters when lora.rank > 0."""
+def model_fn(cfg: ModelConfig, lora: ml_collections.ConfigDict, seed: int,
+             execution: ExecutionConfig = ExecutionConfig()) -> ModelFn:
+    """Builds the run's model: the Transformer running as `execution` says, with adapters when
+    lora.rank > 0."""
 
     def build(*, rngs: nnx.Rngs) -> nnx.Module:
-        model = Transformer(cfg, rngs=rngs)
+        model = Transformer(cfg, rngs=rngs, execution=execution)
         if lora.rank:
             add_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora_targets(lora),
                      seed=seed)
@@ -105,7 +110,7 @@ def trainable(lora: ml_collections.ConfigDict) -> Any:
 def initial_state(steps: Steps, tx: optax.GradientTransformation, init_from: str,
                   cfg: ModelConfig, lora: ml_collections.ConfigDict, seed: int) -> TrainState:
     """Step 0 from pretrained weights (+ fresh adapters): the optimizer starts fresh."""
-    model = load_pretrained(init_from, **{k: getattr(cfg, k) for k in OVERRIDABLE_FIELDS})
+    model = load_pretrained(init_from, **{k: getattr(cfg, k) for k in LOAD_CONVERSIONS})
     if lora.rank:
         add_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora_targets(lora), seed=seed)
     sh = steps.state_sharding
@@ -116,7 +121,8 @@ def initial_state(steps: Steps, tx: optax.GradientTransformation, init_from: str
 
 
 def restore_finetuned(workdir: str, step: int | None = None) -> tuple[nnx.Module, dict[str, Any]]:
-    """(model with its adapters, saved run config) of a fine-tuning workdir's checkpoint."""
+    """(model with its adapters, saved run config) of a fine-tuning workdir's checkpoint; the
+    model runs with the default ExecutionConfig (assign `model.execution` to change it)."""
     ckpt = Checkpointer(workdir, create=False, async_save=False)
     try:
         step = ckpt.latest_good_step() if step is None else step
@@ -125,7 +131,7 @@ def restore_finetuned(workdir: str, step: int | None = None) -> tuple[nnx.Module
         if problem := ckpt.check(step):
             raise ValueError(f"checkpoint step {step} in {ckpt.directory} is corrupt: {problem}")
         run = ckpt.restore_config(step)
-        cfg = ModelConfig.from_dict(run["model"])
+        cfg = ModelConfig.from_saved(run["model"])
         lora = ml_collections.ConfigDict(run.get("lora", {"rank": 0}))
         abstract = nnx.eval_shape(lambda: model_fn(cfg, lora, 0)(rngs=nnx.Rngs(params=0)))
         graphdef, target, rest = nnx.split(abstract, nnx.Param, ...)

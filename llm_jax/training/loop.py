@@ -35,6 +35,7 @@ from tqdm import tqdm
 from llm_jax.config import ModelConfig
 from llm_jax.data import make_datasets
 from llm_jax.data.sft import make_sft_data
+from llm_jax.execution import ExecutionConfig
 from llm_jax.inference import sample
 from llm_jax.model import abstract_model, costs
 from llm_jax.model.select import kernels_line
@@ -46,7 +47,7 @@ from llm_jax.training import faults, finetune
 from llm_jax.training.metrics import MetricsWriter, read_metrics
 from llm_jax.training.plots import plot_expert_load, plot_losses
 from llm_jax.training.preemption import Interrupted, StopRequest
-from llm_jax.training.run_config import model_config, validate_run_config
+from llm_jax.training.run_config import execution_config, model_config, validate_run_config
 from llm_jax.training.step import Steps, compile_steps, make_optimizer
 from llm_jax.training.workdir_lock import hold_workdir
 from llm_jax.weights.checkpointing import Checkpointer, check_same_model
@@ -120,6 +121,7 @@ class Run:
     cfg: ml_collections.ConfigDict
     workdir: str
     mcfg: ModelConfig
+    execution: ExecutionConfig
     ckpt: Checkpointer
     data: Any  # Data or SFTData: train_iter, make_eval_iter, tokenizer
     steps: Steps
@@ -156,6 +158,7 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
                         async_save=cfg.checkpoint.async_save, cleanup_tmp=True,
                         checksums=cfg.checkpoint.checksums)
     latest, mcfg = _model_config(cfg, ckpt)
+    execution = execution_config(cfg)  # how it runs: never checked against a checkpoint
     # The MFU denominator, measured (if not cached) before the data pipeline's threads and the
     # compiler start, so that they do not share the cores with it (runtime/peak.py).
     peak, peak_source = ((tc.peak_flops, "train.peak_flops") if tc.peak_flops
@@ -165,7 +168,7 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
         data.check_checkpoint(ckpt.step_dir(latest))
     if stop.signum:  # a signal during start-up: nothing new to save
         raise Interrupted(f"stopped by signal {stop.signum} before training", -1, stop.signum)
-    build = finetune.model_fn(mcfg, cfg.lora, cfg.seed)
+    build = finetune.model_fn(mcfg, cfg.lora, cfg.seed, execution)
     steps = compile_steps(mcfg, tc, mesh, cfg.seed, build, finetune.trainable(cfg.lora))
     state, progress = _initial_state(cfg, mcfg, ckpt, data, steps, latest)
     start = int(jax.device_get(state.step))
@@ -177,16 +180,18 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
                  "(%s; %s)", f"{costs.total_params(mcfg):,}",
                  f"{costs.active_params(mcfg):,}", flops_per_token, peak, mcfg.dtype,
                  peak_source)
-    logging.info("kernels: %s", kernels_line(mcfg, tc.batch_size, seq_len))
+    logging.info("kernels: %s", kernels_line(mcfg, execution, tc.batch_size, seq_len))
     # The first shuffle window (data.shuffle_buffer_tokens) fills in the pipeline's thread while
     # the train step compiles here, instead of one after the other before step 1.
     data.train_iter.start_prefetch()
     steps.train.lower(state, {k: jax.ShapeDtypeStruct((tc.batch_size, seq_len), dtype,
                                                       sharding=steps.batch_sharding)
                               for k, dtype in data.batch_dtypes.items()}).compile()
-    return Run(cfg=cfg, workdir=workdir, mcfg=mcfg, ckpt=ckpt, data=data, steps=steps,
-               build=build, writer=writer, start=start, flops_per_token=flops_per_token,
-               peak=peak, config_json=cfg.to_dict() | {"model": mcfg.to_dict()},
+    return Run(cfg=cfg, workdir=workdir, mcfg=mcfg, execution=execution, ckpt=ckpt, data=data,
+               steps=steps, build=build, writer=writer, start=start,
+               flops_per_token=flops_per_token, peak=peak,
+               config_json=cfg.to_dict() | {"model": mcfg.to_dict(),
+                                            "execution": execution.to_dict()},
                progress=Progress(state=state, last_saved=start,
                                  skipped=int(progress.get("skipped_updates", 0))))
 
@@ -195,11 +200,12 @@ def _model_config(cfg: ml_collections.ConfigDict, ckpt: Checkpointer
                   ) -> tuple[int | None, ModelConfig]:
     """(the newest restorable step or None, the run's ModelConfig). The newest checkpoint that
     passes its checksums and whose config reads; the corrupt ones are reported and moved to
-    WORKDIR/corrupt_checkpoints. A changed model is refused before any expensive work."""
+    WORKDIR/corrupt_checkpoints. A changed model is refused before any expensive work (a
+    changed execution is not: it is how the same model runs)."""
     tc = cfg.train
     latest, saved_config = ckpt.first_restorable(ckpt.restore_config, move_bad=True)
     if tc.init_from:  # a resumed run keeps its own weights and config: init_from is not read
-        base = (ModelConfig.from_dict(saved_config["model"]) if latest is not None
+        base = (ModelConfig.from_saved(saved_config["model"]) if latest is not None
                 else finetune.pretrained_config(tc.init_from))
         mcfg = finetune.resolve_model_config(cfg.model, base, tc.init_from)
     else:

@@ -1,10 +1,13 @@
-"""The run config: model, data, train and checkpoint sections in one ml_collections ConfigDict.
+"""The run config: model, execution, data, train and checkpoint sections in one ml_collections
+ConfigDict.
 
 `configs/*.py` return it from `get_config()`; the CLI loads it with `--config` and overrides any
 field as `--config.train.num_steps=10`. The `model` section holds exactly the fields of
-`ModelConfig` and is turned into one with `model_config(cfg)`. Its `expert_format` is None unless
-a config asks for one: the checkpoint's format when fine-tuning (`train.init_from`: a gpt-oss
-MXFP4 checkpoint stays packed, and LoRA over it is QLoRA), else "dense".
+`ModelConfig` (what the model is) and is turned into one with `model_config(cfg)`; the `execution`
+section those of `ExecutionConfig` (how it runs: `--config.execution.moe_dispatch=gmm`), turned
+into one with `execution_config(cfg)`. The model's `expert_format` is None unless a config asks
+for one: the checkpoint's format when fine-tuning (`train.init_from`: a gpt-oss MXFP4 checkpoint
+stays packed, and LoRA over it is QLoRA), else "dense".
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ import ml_collections
 
 from llm_jax.config import ModelConfig
 from llm_jax.data.config import ON_BAD_FILE, ON_BAD_LINE
+from llm_jax.execution import ExecutionConfig
 
 
-def default_run_config(name: str, model: ModelConfig) -> ml_collections.ConfigDict:
+def default_run_config(name: str, model: ModelConfig,
+                       execution: ExecutionConfig = ExecutionConfig()) -> ml_collections.ConfigDict:
     """Defaults shared by every config file; a config changes what differs."""
     cfg = ml_collections.ConfigDict()
     cfg.name = name
     cfg.seed = 0
     cfg.model = _model(model)
+    cfg.execution = ml_collections.ConfigDict(execution.to_dict())
     cfg.data = _data()
     cfg.train = _train()
     cfg.sft = _sft()
@@ -183,11 +189,16 @@ def _type_ok(value, default) -> bool:
 
 def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
     """Refuses unknown sections or fields, wrong types and out-of-range or conflicting values,
-    naming the field (`model` is checked by ModelConfig, `data` also by DataConfig)."""
+    naming the field (`model` is checked by ModelConfig, `execution` also by ExecutionConfig,
+    `data` also by DataConfig)."""
     reference = default_run_config(str(cfg.get("name", "")), ModelConfig())
     unknown = sorted(set(cfg.keys()) - set(reference.keys()))
     if unknown:
         raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(reference.keys())}")
+    moved = sorted(set(cfg.get("model", {}).keys()) & set(reference.execution.keys()))
+    if moved:
+        raise ValueError(f"config field model.{moved[0]} is an execution setting, not part of the "
+                         f"model: set config.execution.{moved[0]} instead")
     for section, defaults in reference.items():
         if section == "model" or not isinstance(defaults, ml_collections.ConfigDict):
             continue
@@ -219,6 +230,7 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(f"train.batch_size={tc.batch_size} and train.grad_accum_steps="
                          f"{tc.grad_accum_steps} conflict: the batch must split into equal "
                          "microbatches")
+    execution_config(cfg)
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
@@ -228,3 +240,8 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
     if d.get("expert_format", "") is None:
         del d["expert_format"]
     return ModelConfig.from_dict(d)
+
+
+def execution_config(cfg: ml_collections.ConfigDict) -> ExecutionConfig:
+    """The `execution` section as a validated ExecutionConfig."""
+    return ExecutionConfig.from_dict(cfg.execution.to_dict())

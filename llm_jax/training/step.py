@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import Transformer
 from llm_jax.model.params import TRAINABLE
 from llm_jax.parallel.sharding import (
@@ -87,10 +88,12 @@ ModelFn = Callable[..., nnx.Module]  # called as model_fn(rngs=nnx.Rngs(...))
 
 
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
-               model_fn: ModelFn | None = None, trainable: Any = TRAINABLE) -> TrainState:
-    """Fresh params from `model_fn` (default: the Transformer); optimizer state only for the
-    `trainable` ones (training/finetune.py: the LoRA adapters)."""
-    model = (model_fn or functools.partial(Transformer, cfg))(rngs=nnx.Rngs(params=seed))
+               model_fn: ModelFn | None = None, trainable: Any = TRAINABLE, *,
+               execution: ExecutionConfig = ExecutionConfig()) -> TrainState:
+    """Fresh params from `model_fn` (default: the Transformer running as `execution` says);
+    optimizer state only for the `trainable` ones (training/finetune.py: the LoRA adapters)."""
+    model = (model_fn or functools.partial(Transformer, cfg, execution=execution))(
+        rngs=nnx.Rngs(params=seed))
     params = nnx.state(model, nnx.Param)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=tx.init(nnx.filter_state(params, trainable)))
@@ -272,14 +275,15 @@ class Steps(flax.struct.PyTreeNode):
 
 def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh,
                   seed: int, model_fn: ModelFn | None = None,
-                  trainable: Any = TRAINABLE) -> Steps:
+                  trainable: Any = TRAINABLE, *,
+                  execution: ExecutionConfig = ExecutionConfig()) -> Steps:
     """Jitted init/train/eval with shardings derived from the params' logical axes;
-    `model_fn`/`trainable` as in init_state (LoRA: training/finetune.py)."""
+    `model_fn`/`trainable`/`execution` as in init_state (LoRA: training/finetune.py)."""
     if train.batch_size % train.grad_accum_steps:
         raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
                          f"train.grad_accum_steps={train.grad_accum_steps}")
     tx = make_optimizer(train)
-    model_fn = model_fn or functools.partial(Transformer, cfg)
+    model_fn = model_fn or functools.partial(Transformer, cfg, execution=execution)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0))))
     init_fn = functools.partial(init_state, cfg, tx, seed, model_fn, trainable)
     abstract = jax.eval_shape(init_fn)

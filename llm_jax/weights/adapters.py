@@ -5,7 +5,7 @@ or re-quantized to MXFP4.
 The adapters file is `adapters.safetensors` (flat names as in the model, e.g.
 "layers.attn.q_proj_lora_a", float32, leading layers axis) + `adapters.json` (rank, alpha,
 targets and the base model's config), so they can be re-attached to the same base: one whose
-architecture equals `base_model` (its OVERRIDABLE_FIELDS, expert_format among them, may differ:
+architecture equals `base_model` (its LOAD_CONVERSIONS, expert_format among them, may differ:
 adapters trained over packed experts load onto the dequantized base and back).
 
 Merging works one layer at a time in float32: w (a packed stack unpacked exactly) + (alpha/r) A B,
@@ -28,7 +28,7 @@ from safetensors.numpy import load_file, save_file
 
 from llm_jax.config import ModelConfig
 from llm_jax.model.lora import TARGETS, LoRAParam, add_lora, lora_delta
-from llm_jax.weights.configs import OVERRIDABLE_FIELDS
+from llm_jax.weights.configs import LOAD_CONVERSIONS
 from llm_jax.weights.flat import abstract_targets, flat_params, model_from_params
 from llm_jax.weights.json_fields import read_json_object
 from llm_jax.weights.mxfp4 import QuantizationError, dequantize_stack, quantize_experts_into
@@ -98,7 +98,7 @@ def merge_lora(model: nnx.Module, *, dtype: str | None = None) -> nnx.Module:
         for suffix in PACKED_SUFFIXES:
             base.pop(key + suffix, None)
         base[key] = out
-    return model_from_params(cfg, base, abstract)
+    return _running_as(model_from_params(cfg, base, abstract), model)
 
 
 def merge_lora_mxfp4(model: nnx.Module, *, dtype: str | None = None
@@ -132,7 +132,12 @@ def merge_lora_mxfp4(model: nnx.Module, *, dtype: str | None = None
         base.pop(key, None)
         base[key + "_blocks"], base[key + "_scales"] = blocks, scales
         errors[key.rsplit(".", 1)[1]] = error.relative_rms
-    return model_from_params(cfg, base, abstract), errors
+    return _running_as(model_from_params(cfg, base, abstract), model), errors
+
+
+def _running_as(merged: nnx.Module, model: nnx.Module) -> nnx.Module:
+    merged.execution = model.execution  # how it runs is the caller's, whatever the weights
+    return merged
 
 
 def save_adapters(model: nnx.Module, directory: str | Path, *, rank: int, alpha: float) -> Path:
@@ -176,12 +181,12 @@ def attach_adapters(model: nnx.Module, adapters: Mapping[str, np.ndarray], *, ra
 
 def _check_base(meta: Mapping, cfg: ModelConfig, where: Path) -> None:
     try:
-        trained_on = ModelConfig.from_dict(meta["base_model"])
+        trained_on = ModelConfig.from_saved(meta["base_model"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: base_model is not a model config: {e}") from None
     diff = [f"{k}={v!r} (this model: {getattr(cfg, k)!r})"
             for k, v in trained_on.to_dict().items()
-            if k not in OVERRIDABLE_FIELDS and v != getattr(cfg, k)]
+            if k not in LOAD_CONVERSIONS and v != getattr(cfg, k)]
     if diff:
         raise ValueError(f"{where}: the adapters were trained on another base model: "
                          f"{', '.join(diff)}")

@@ -1,7 +1,8 @@
 """Training checkpoints: Orbax CheckpointManager items for everything a resumed run needs.
 
 Items of each step: `params` and `opt_state` (sharded arrays, restored onto the current mesh),
-`step`, `config` (the full run config as JSON; its `model` section is the ModelConfig),
+`step`, `config` (the full run config as JSON; its `model` section is the ModelConfig, its
+`execution` section the ExecutionConfig),
 `data` (the Grain iterator state) and `tokenizer` (the sentencepiece model, base64 in JSON).
 Params are an item of their own so `load_pretrained(workdir)` restores them without the
 optimizer state. Saves are asynchronous; Orbax writes each step into a temporary directory and
@@ -35,7 +36,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from llm_jax.config import EXECUTION_FIELDS, ModelConfig
+from llm_jax.config import ModelConfig
 from llm_jax.model import abstract_model
 from llm_jax.parallel import distributed
 from llm_jax.weights.manifest import MANIFEST, verify_manifest, write_manifest
@@ -327,9 +328,9 @@ class Checkpointer:
 
 
 def check_same_model(saved_config: dict[str, Any], cfg: ModelConfig, directory: str) -> None:
-    """Refuses to resume a run whose saved model config differs from the requested one."""
-    saved = ModelConfig.from_dict(saved_config["model"])
-    saved = saved.replace(**{k: getattr(cfg, k) for k in EXECUTION_FIELDS})
+    """Refuses to resume a run whose saved model config differs from the requested one, naming
+    each differing field; how it runs (its ExecutionConfig) may differ."""
+    saved = ModelConfig.from_saved(saved_config["model"])
     if saved != cfg:
         diff = {k: (v, getattr(cfg, k)) for k, v in saved.to_dict().items()
                 if getattr(cfg, k) != v}
@@ -345,7 +346,7 @@ def restore_params(workdir: str, step: int | None = None):
     ckpt = Checkpointer(workdir, create=False, async_save=False)
 
     def restore(s: int):
-        cfg = ModelConfig.from_dict(ckpt.restore_config(s)["model"])
+        cfg = ModelConfig.from_saved(ckpt.restore_config(s)["model"])
         abstract = nnx.state(abstract_model(cfg), nnx.Param)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),

@@ -20,13 +20,11 @@ ARCH_FIELDS = (
     "sliding_window", "initial_context_length", "rope_theta", "rope_scaling_factor",
     "rope_ntk_alpha", "rope_ntk_beta", "swiglu_limit",
 )
-# Fields a caller may change at load time: they choose how the function is computed, not what.
-# expert_format: "dense" dequantizes MXFP4 experts exactly; "mxfp4" over dense weights quantizes
-# them (a lossy choice the caller makes).
-OVERRIDABLE_FIELDS = ("dtype", "param_dtype", "expert_format", "moe_dispatch",
-                      "moe_capacity_factor", "remat", "scan_layers", "attention_impl",
-                      "loss_chunk_tokens", "loss_group_chunks", "mxfp4_unpack_mib", "gmm_tile_m",
-                      "gmm_tile_k", "gmm_tile_n")
+# The ModelConfig fields a caller may ask of the weights at load time: a conversion of what the
+# checkpoint stores (a cast; expert_format "dense" dequantizes MXFP4 experts exactly, "mxfp4" over
+# dense weights quantizes them, a lossy choice the caller makes). Every other field is fixed by
+# the checkpoint; how the model runs is its ExecutionConfig, free to choose.
+LOAD_CONVERSIONS = ("dtype", "param_dtype", "expert_format")
 
 # What gpt-oss's released config.json says of its MXFP4 experts (transformers reads it).
 MXFP4_QUANTIZATION = {

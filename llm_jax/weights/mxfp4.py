@@ -140,7 +140,9 @@ def quantize_experts(model: nnx.Module) -> tuple[nnx.Module, dict[str, float]]:
             for n in range(w_LEIO.shape[0]):
                 error.add(*quantize_experts_into(w_LEIO[n], blocks[n], scales[n]))
             errors[stack.removeprefix("layers.")] = error.relative_rms
-    return model_from_params(packed_cfg, params, abstract), errors
+    packed = model_from_params(packed_cfg, params, abstract)
+    packed.execution = model.execution
+    return packed, errors
 
 
 def log_quantization(errors: dict[str, float], what: str) -> None:
@@ -199,4 +201,6 @@ def dequantize_experts(model: nnx.Module) -> nnx.Module:
         w = params[key] = np.empty(t.shape, t.dtype)  # [L, E, I, O]
         for n, e in np.ndindex(*blocks.shape[:2]):
             w[n, e] = dequantize_stack(blocks[n, e], scales[n, e], t.dtype)
-    return model_from_params(dense_cfg, params, abstract)
+    dense = model_from_params(dense_cfg, params, abstract)
+    dense.execution = model.execution
+    return dense

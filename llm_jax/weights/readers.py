@@ -1,7 +1,7 @@
 """Reading model checkpoints: training workdirs, llm_jax, Hugging Face gpt-oss and OpenAI gpt-oss.
 
 `load_pretrained(path)` detects the format of a directory and returns a `Transformer` with its
-config attached (`model.cfg`):
+config attached (`model.cfg`) and the execution config the caller gives (`model.execution`):
 - llm_jax: `config.json` ({"format": "llm_jax", "model": ModelConfig}) + `params.safetensors`
   holding the flattened param tree ("layers.attn.q_proj", ...; layer weights stacked on axis 0).
 - Hugging Face: `config.json` (GptOssConfig) + `model.safetensors` or a sharded
@@ -36,11 +36,12 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from llm_jax.config import ModelConfig
+from llm_jax.config import LEGACY_EXECUTION_FIELDS, ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.weights.checkpointing import Checkpointer, find_training_checkpoint, restore_params
 from llm_jax.weights.configs import (
     HF_NAMES,
-    OVERRIDABLE_FIELDS,
+    LOAD_CONVERSIONS,
     hf_config_to_model_config,
     model_config_from_fields,
     openai_config_to_model_config,
@@ -172,7 +173,9 @@ def _llm_jax_config(root: Path) -> ModelConfig:
     model = Fields(read_json_object(path), str(path)).obj("model")
     if model is None:
         raise ValueError(f"{path} has no 'model' object (the ModelConfig)")
-    return model_config_from_fields(model, model.d)
+    # Saved models written before ExecutionConfig also stored its fields here (as from_saved).
+    keys = [k for k in model.d if k not in LEGACY_EXECUTION_FIELDS]
+    return model_config_from_fields(model, keys)
 
 
 def _llm_jax_check(root: Path, cfg: ModelConfig) -> None:
@@ -254,7 +257,7 @@ def _orbax_config(root: Path) -> ModelConfig:
     workdir, step = find_training_checkpoint(str(root))
     ckpt = Checkpointer(workdir, create=False, async_save=False)
     try:
-        return ModelConfig.from_dict(ckpt.restore_config(step)["model"])
+        return ModelConfig.from_saved(ckpt.restore_config(step)["model"])
     finally:
         ckpt.close()
 
@@ -288,36 +291,45 @@ FORMATS: dict[str, Format] = {
 }
 
 
-def _apply_overrides(cfg: ModelConfig, dtype: str | None,
-                     overrides: Mapping[str, Any]) -> ModelConfig:
-    bad = sorted(set(overrides) - set(OVERRIDABLE_FIELDS))
+def _apply_conversions(cfg: ModelConfig, dtype: str | None,
+                       conversions: Mapping[str, Any]) -> ModelConfig:
+    execution = sorted(set(conversions) & {f.name for f in dataclasses.fields(ExecutionConfig)})
+    if execution:
+        raise ValueError(f"load_pretrained: {execution} say how the model runs, not what it is: "
+                         f"pass execution=ExecutionConfig({execution[0]}=...)")
+    bad = sorted(set(conversions) - set(LOAD_CONVERSIONS))
     if bad:
-        raise ValueError(f"load_pretrained cannot override {bad}: only {OVERRIDABLE_FIELDS} "
+        raise ValueError(f"load_pretrained cannot convert {bad}: only {LOAD_CONVERSIONS} "
                          f"(the rest is fixed by the checkpoint)")
     if dtype is not None:
         name = jnp.dtype(dtype).name
         cfg = cfg.replace(dtype=name, param_dtype=name)
-    return cfg.replace(**overrides)
+    return cfg.replace(**conversions)
 
 
-def load_pretrained(path: str | Path, *, dtype: str | None = None, **overrides: Any) -> nnx.Module:
-    """Loads an llm_jax, Hugging Face or OpenAI gpt-oss checkpoint directory as a Transformer.
+def load_pretrained(path: str | Path, *, dtype: str | None = None,
+                    execution: ExecutionConfig = ExecutionConfig(),
+                    **conversions: Any) -> nnx.Module:
+    """Loads an llm_jax, Hugging Face or OpenAI gpt-oss checkpoint directory as a Transformer
+    that runs as `execution` says.
 
-    `dtype` sets both the weights' and the compute dtype (default: the checkpoint's); `overrides`
-    may set the implementation fields OVERRIDABLE_FIELDS (e.g. moe_dispatch="dense").
+    `dtype` sets both the weights' and the compute dtype (default: the checkpoint's);
+    `conversions` may set the LOAD_CONVERSIONS (e.g. param_dtype="bfloat16").
     MXFP4 experts stay packed (`expert_format="mxfp4"`, the checkpoint's bytes; never a dense
     copy); `expert_format="dense"` dequantizes them, as the model computes either way.
     """
     fmt, root = detect_format(path)
     reader = FORMATS[fmt]
     stored = reader.config(root)
-    cfg = _apply_overrides(stored, dtype, overrides)
+    cfg = _apply_conversions(stored, dtype, conversions)
     built = cfg if reader.any_expert_format else cfg.replace(expert_format=stored.expert_format)
     reader.check(root, built)  # the headers against the config, before a model is built from it
     abstract = abstract_targets(built)
     model = model_from_params(built, reader.params(root, built, abstract[1]), abstract)
     if cfg.expert_format == "dense":  # both no-ops unless the format had to be converted
-        return dequantize_experts(model)
-    model, errors = quantize_experts(model)
-    log_quantization(errors, f"loading {root}")
+        model = dequantize_experts(model)
+    else:
+        model, errors = quantize_experts(model)
+        log_quantization(errors, f"loading {root}")
+    model.execution = execution
     return model

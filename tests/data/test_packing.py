@@ -12,6 +12,7 @@ from flax import nnx
 from llm_jax.config import ModelConfig
 from llm_jax.data.packing import pack_rows
 from llm_jax.data.tokenizer import BOS_ID, EOS_ID
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import init_model
 from llm_jax.training.step import eval_step
 
@@ -20,7 +21,8 @@ T = 16
 # would through the capacity limit. A sliding window of 4 on alternate layers checks positions.
 SMALL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=64,
                     hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
-                    num_key_value_heads=2, sliding_window=4, moe_dispatch="dense")
+                    num_key_value_heads=2, sliding_window=4)
+DENSE = ExecutionConfig(moe_dispatch="dense")
 
 
 def _documents(lengths: list[int], seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -65,7 +67,7 @@ def _segments(batch) -> list[tuple[int, np.ndarray]]:
 def test_a_document_has_the_same_per_token_losses_packed_or_alone():
     docs = _documents([5, 11, 3, 9, 20, 2, 7, 1])  # 21 tokens > T: at least one is split
     batch = _rows(docs)
-    model = init_model(SMALL, seed=0)
+    model = init_model(SMALL, seed=0, execution=DENSE)
     packed = np.asarray(_per_token_nll(model, batch["inputs"], batch["targets"],
                                        batch["positions"], batch["segment_ids"]))
     sequences, whole = [], 0
@@ -85,7 +87,7 @@ def test_eval_step_sums_each_document_once_and_ignores_padding():
     docs = _documents([6, 13, 4, 10])
     batch = _rows(docs)
     assert (batch["segment_ids"][-1] == 0).any()  # the last row ends in padding
-    model = init_model(SMALL, seed=1)
+    model = init_model(SMALL, seed=1, execution=DENSE)
     graphdef, params = nnx.split(model, nnx.Param)
     out = jax.device_get(jax.jit(eval_step, static_argnames="graphdef")(
         params, batch, graphdef=graphdef))

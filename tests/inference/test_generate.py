@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from llm_jax.config import ModelConfig  # noqa: E402
+from llm_jax.execution import ExecutionConfig  # noqa: E402
 from llm_jax.generate import main  # noqa: E402
 from llm_jax.inference import loop  # noqa: E402
 from llm_jax.inference.loop import bucket, generate_jit  # noqa: E402
@@ -38,13 +39,15 @@ V = 512  # room for the CLI test's tokenizer
 CFG = ModelConfig(
     num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=V, hidden_size=32,
     intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-    sliding_window=8, moe_dispatch="dense",
+    sliding_window=8,
 )
+DENSE = ExecutionConfig(moe_dispatch="dense")
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
 
 
 def random_model(cfg: ModelConfig = CFG, seed: int = 0):
-    """Weights big enough that logits spread (std-0.02 init gives near-uniform ones)."""
+    """Weights big enough that logits spread (std-0.02 init gives near-uniform ones), running
+    the dense (reference) MoE dispatch."""
     _, targets = flat.abstract_targets(cfg)
     rng = np.random.default_rng(seed)
     scale = {"sinks": 1.0, "embedding": 1.0, "gate_up_proj": 0.6, "down_proj": 0.05,
@@ -60,12 +63,16 @@ def random_model(cfg: ModelConfig = CFG, seed: int = 0):
         else:
             v = scale.get(name, 1 / math.sqrt(cfg.hidden_size)) * z
         params[key] = v.astype(t.dtype)
-    return flat.model_from_params(cfg, params)
+    model = flat.model_from_params(cfg, params)
+    model.execution = DENSE
+    return model
 
 
-def with_config(model, cfg: ModelConfig):
-    """The same weights under another (implementation) config."""
-    return flat.model_from_params(cfg, flat.flat_params(model))
+def with_config(model, cfg: ModelConfig, execution: ExecutionConfig = DENSE):
+    """The same weights under another config (the window), running as `execution` says."""
+    out = flat.model_from_params(cfg, flat.flat_params(model))
+    out.execution = execution
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +93,8 @@ def recomputed_logits(model, prompts: list[list[int]], new: list[list[int]]) -> 
 # ---------------------------------------------------------------------- cache == recompute
 @pytest.mark.parametrize("window, dispatch", [(0, "dense"), (8, "dense"), (8, "capacity"), (8, "auto")])
 def test_cached_decoding_matches_full_recompute_past_the_window(model, window, dispatch):
-    m = with_config(model, CFG.replace(sliding_window=window, moe_dispatch=dispatch))
-    ref = with_config(model, CFG.replace(sliding_window=window, moe_dispatch="dense"))
+    m = with_config(model, CFG.replace(sliding_window=window), DENSE.replace(moe_dispatch=dispatch))
+    ref = with_config(model, CFG.replace(sliding_window=window))
     ids, logits = generate(m, PROMPTS, max_new_tokens=16, return_logits=True)
     assert all(len(new) == 16 for new in ids)
     assert len(PROMPTS[1]) + 16 > 2 * CFG.sliding_window  # every ring wraps at least twice
@@ -363,9 +370,9 @@ def test_prefill_unpacks_one_layer_of_packed_experts_at_a_time():
 
     cfg = ModelConfig(num_hidden_layers=8, num_experts=8, experts_per_token=2, vocab_size=512,
                       hidden_size=256, intermediate_size=256, head_dim=32, num_attention_heads=4,
-                      num_key_value_heads=2, expert_format="mxfp4", moe_dispatch="dense",
+                      num_key_value_heads=2, expert_format="mxfp4",
                       dtype="bfloat16", param_dtype="bfloat16")
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg, 0)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg, 0, execution=DENSE)))
     spec = jax.ShapeDtypeStruct
     pool = jax.eval_shape(lambda: init_cache(cfg, 2, 32))
     n, i32, f32 = 1, jnp.int32, jnp.float32

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.kernels.gmm_gpu import gmm
 from llm_jax.model.experts import ExpertWeights
 from llm_jax.model.moe import route
@@ -112,7 +113,7 @@ def test_gmm_dispatch_traced_for_gpu_runs_the_triton_kernel():
 
     x, routing, w = _layer()
     def loss(x, w):
-        return jnp.sum(DISPATCHES["gmm"].fn(x, routing, w, ModelConfig())[0])
+        return jnp.sum(DISPATCHES["gmm"].fn(x, routing, w, ModelConfig(), ExecutionConfig())[0])
 
     with compiling_for("gpu"):
         assert triton_kernels_for_cuda(jax.value_and_grad(loss, (0, 1)), x, w) == {

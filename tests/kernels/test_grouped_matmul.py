@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.kernels.grouped_matmul import TILE, grouped_matmul, tiling
 
 
@@ -75,8 +75,8 @@ def test_megablox_tiles_change_no_value_or_gradient(tile):
 
 def test_tiling_takes_the_tile_or_what_the_shape_needs():
     assert tiling(40960, 2880, 5760) == TILE == (512, 1024, 1024)
-    cfg = ModelConfig()
-    assert (cfg.gmm_tile_m, cfg.gmm_tile_k, cfg.gmm_tile_n) == TILE  # the config's defaults
+    ex = ExecutionConfig()
+    assert (ex.gmm_tile_m, ex.gmm_tile_k, ex.gmm_tile_n) == TILE  # the config's defaults
     assert tiling(40960, 2880, 5760, (1024, 512, 1024)) == (1024, 512, 1024)
     assert tiling(700, 64, 200) == (512, 128, 256)  # lanes padded to 128
     assert tiling(100, 2880, 5760) == (128, 1024, 1024)  # fewer rows than a tile: 128-row tiles

@@ -7,16 +7,21 @@ import pytest
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.kernels.splash_attention import index_positions
 from llm_jax.model import init_model
 
 SMALL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=97,
                     hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
-                    num_key_value_heads=2, sliding_window=5, moe_dispatch="dense")
+                    num_key_value_heads=2, sliding_window=5)
+
+
+def _execution(impl: str) -> ExecutionConfig:
+    return ExecutionConfig(moe_dispatch="dense", attention_impl=impl)
 
 
 def _logits(impl: str, tokens: jax.Array, positions=None) -> jax.Array:
-    return init_model(SMALL.replace(attention_impl=impl), seed=3)(tokens, positions)
+    return init_model(SMALL, seed=3, execution=_execution(impl))(tokens, positions)
 
 
 @pytest.mark.slow
@@ -52,9 +57,9 @@ def test_index_positions():
 def test_splash_trains_in_bfloat16():
     """The float32 sinks get a float32 gradient from splash's bf16 backward (the position check's
     cond needs both branches to agree on it)."""
-    cfg = SMALL.replace(dtype="bfloat16", attention_impl="splash", num_hidden_layers=1,
+    cfg = SMALL.replace(dtype="bfloat16", num_hidden_layers=1,
                         sliding_window=0)  # one splash kernel: interpret mode is slow
-    g, p = nnx.split(init_model(cfg, seed=0))
+    g, p = nnx.split(init_model(cfg, seed=0, execution=_execution("splash")))
     tokens = jnp.zeros((1, 128), jnp.int32)
     grads = jax.jit(jax.grad(lambda p: nnx.merge(g, p)(tokens).astype(jnp.float32).mean()))(p)
     assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(grads))

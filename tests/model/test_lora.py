@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import init_model
 from llm_jax.model.lora import TARGETS, LoRAParam, add_lora
 from llm_jax.model.params import TRAINABLE, PackedParam
@@ -19,7 +20,8 @@ from llm_jax.weights.adapters import adapter_params, attach_adapters, merge_lora
 PACKED = ModelConfig(num_hidden_layers=1, num_experts=4, experts_per_token=2, vocab_size=64,
                      hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=4,
                      num_key_value_heads=2, sliding_window=4, initializer_range=0.2,
-                     expert_format="mxfp4", moe_capacity_factor=4.0)  # E / k: nothing dropped
+                     expert_format="mxfp4")
+NO_DROP = ExecutionConfig(moe_capacity_factor=4.0)  # E / k: nothing dropped
 RANK, ALPHA = 4, 8.0
 # The dispatches a LoRA adapter is tested through; gmm runs its Pallas kernel in interpret mode
 # on CPU, expert_parallel without a mesh runs its local path.
@@ -27,9 +29,9 @@ DISPATCHES = ["dense", "ragged", "gather", "blocked", "capacity", "expert_parall
 BITWISE_AT_STEP_0 = ("dense", "ragged", "expert_parallel", "gmm")  # measured on CPU
 
 
-def _qlora(cfg: ModelConfig, seed: int = 0) -> nnx.Module:
+def _qlora(cfg: ModelConfig, execution: ExecutionConfig, seed: int = 0) -> nnx.Module:
     """A packed model with adapters on every target, B nonzero (so A gets a gradient too)."""
-    model = add_lora(init_model(cfg, seed=seed), rank=RANK, alpha=ALPHA, targets=tuple(TARGETS),
+    model = add_lora(init_model(cfg, seed=seed, execution=execution), rank=RANK, alpha=ALPHA, targets=tuple(TARGETS),
                      seed=seed)
     for i, (path, v) in enumerate(nnx.to_flat_state(nnx.state(model, LoRAParam))):
         if path[-1].endswith("_lora_b"):
@@ -39,8 +41,9 @@ def _qlora(cfg: ModelConfig, seed: int = 0) -> nnx.Module:
 
 def _dequantized_twin(model: nnx.Module, seed: int = 0) -> nnx.Module:
     """`model` (`_qlora(cfg, seed)`) with its packed experts dequantized (exactly, by
-    `merge_lora` of the base alone) and the same adapters."""
-    base = merge_lora(init_model(model.cfg, seed=seed))
+    `merge_lora` of the base alone) and the same adapters, running the same way."""
+    base = merge_lora(init_model(model.cfg, seed=seed, execution=model.execution))
+    assert base.execution == model.execution
     assert base.cfg.expert_format == "dense"
     return attach_adapters(base, adapter_params(model), rank=RANK, alpha=ALPHA)
 
@@ -59,10 +62,10 @@ def _adapter_grads(model: nnx.Module, tokens: jax.Array) -> dict:
 
 @pytest.mark.parametrize("dispatch", ["dense", "gather"])
 def test_lora_over_packed_experts_is_the_base_at_step_0(dispatch):
-    cfg = PACKED.replace(moe_dispatch=dispatch)
+    cfg, ex = PACKED, NO_DROP.replace(moe_dispatch=dispatch)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
-    want = np.asarray(init_model(cfg, seed=0)(tokens))
-    model = add_lora(init_model(cfg, seed=0), rank=RANK, alpha=ALPHA,
+    want = np.asarray(init_model(cfg, seed=0, execution=ex)(tokens))
+    model = add_lora(init_model(cfg, seed=0, execution=ex), rank=RANK, alpha=ALPHA,
                      targets=tuple(TARGETS), seed=0)
     assert isinstance(model.layers.mlp.gate_up_proj_blocks, PackedParam)
     got = np.asarray(model(tokens))
@@ -80,7 +83,7 @@ def test_lora_over_packed_experts_is_the_base_at_step_0(dispatch):
 
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_adapter_gradients_over_packed_experts_equal_those_over_the_dequantized_base(dispatch):
-    model = _qlora(PACKED.replace(moe_dispatch=dispatch))
+    model = _qlora(PACKED, NO_DROP.replace(moe_dispatch=dispatch))
     twin = _dequantized_twin(model)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 13)), jnp.int32)
     got, want = _adapter_grads(model, tokens), _adapter_grads(twin, tokens)

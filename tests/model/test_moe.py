@@ -1,7 +1,6 @@
 """MoE: every dispatch equals a loop-over-experts reference (outputs and gradients); capacity
 drops are counted; router auxiliary losses have their closed-form values."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm_jax.config import MOE_DISPATCHES, ModelConfig
+from llm_jax.config import ModelConfig
+from llm_jax.execution import MOE_DISPATCHES, ExecutionConfig
 from llm_jax.model.experts import ExpertWeights, Routing, swiglu
 from llm_jax.model.moe import MoE, route, router_aux
 from llm_jax.model.moe_dispatch import (
@@ -77,20 +77,20 @@ def jax_loop_moe(x, p, k, limit):
 
 # Every entry of the table. Capacity factor E / k: C = T slots, so nothing can be dropped and the
 # dropping dispatches must equal the reference too.
-NO_DROP = dataclasses.replace(CFG, moe_capacity_factor=CFG.num_experts / CFG.experts_per_token)
+NO_DROP = ExecutionConfig(moe_capacity_factor=CFG.num_experts / CFG.experts_per_token)
 ALL = sorted(DISPATCHES)
 
 
 @pytest.mark.parametrize("dispatch", ALL + ["auto"])
 def test_moe_layer_with_each_dispatch_matches_numpy_loop_reference(dispatch):
-    cfg = dataclasses.replace(NO_DROP, moe_dispatch=dispatch)
+    cfg, ex = CFG, NO_DROP.replace(moe_dispatch=dispatch)
     w = _weights(cfg, scale=4.0)
     x = np.random.default_rng(1).normal(size=(3, 10, cfg.hidden_size))
     # Some SwiGLU inputs are past the clamp, so the clamp is exercised.
     h = np.einsum("td,edf->tef", x.reshape(30, -1), w["w1"]) + w["b1"][None]
     assert (h[..., 0::2] > 7).any() and (h[..., 1::2] < -7).any()
     moe = _moe_module(cfg, w)
-    y, aux = moe(jnp.asarray(x, jnp.float32), train=True)
+    y, aux = moe(jnp.asarray(x, jnp.float32), train=True, execution=ex)
     ref = numpy_moe(x.reshape(30, -1), w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"],
                     w["b2"], cfg.experts_per_token, cfg.swiglu_limit).reshape(x.shape)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
@@ -110,7 +110,7 @@ def test_each_dispatch_outputs_and_gradients_match_the_loop_reference_directly(d
     def loss(x, p):
         r = route(x, p["router"], p["router_bias"], k)
         ew = ExpertWeights(p["w1"], p["b1"], p["w2"], p["b2"])
-        y, drop = DISPATCHES[dispatch].fn(x, r, ew, NO_DROP)
+        y, drop = DISPATCHES[dispatch].fn(x, r, ew, CFG, NO_DROP)
         return jnp.sum(y * ct), drop
 
     (l_ref, g_ref) = jax.value_and_grad(loss_ref, argnums=(0, 1))(x, w)
@@ -133,11 +133,11 @@ def test_the_configs_megablox_tiles_reach_the_kernel(dispatch, monkeypatch):
         return real(*args, tile=tile, **kwargs)
 
     monkeypatch.setattr(moe_parallel, "grouped_matmul", spy)
-    cfg = dataclasses.replace(NO_DROP, moe_dispatch=dispatch, gmm_tile_m=256, gmm_tile_k=128,
-                              gmm_tile_n=384)
+    cfg = CFG
+    ex = NO_DROP.replace(moe_dispatch=dispatch, gmm_tile_m=256, gmm_tile_k=128, gmm_tile_n=384)
     w = _weights(cfg)
     x = np.random.default_rng(1).normal(size=(2, 8, cfg.hidden_size))
-    y, _ = _moe_module(cfg, w)(jnp.asarray(x, jnp.float32), train=True)
+    y, _ = _moe_module(cfg, w)(jnp.asarray(x, jnp.float32), train=True, execution=ex)
     assert seen and set(seen) == {(256, 128, 384)}
     ref = numpy_moe(x.reshape(16, -1), w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"],
                     w["b2"], cfg.experts_per_token, cfg.swiglu_limit).reshape(x.shape)
@@ -162,7 +162,7 @@ def test_sorted_dispatches_with_the_gate_up_stack_blocked_match_the_loop_referen
     def loss(x, p):
         r = route(x, p["router"], p["router_bias"], k)
         y, _ = DISPATCHES[dispatch].fn(x, r, ExpertWeights(p["w1"], p["b1"], p["w2"], p["b2"]),
-                                       NO_DROP)
+                                       CFG, NO_DROP)
         return jnp.sum(y * ct)
 
     l_ref, g_ref = jax.value_and_grad(lambda x, p: jnp.sum(jax_loop_moe(x, p, k, lim) * ct),
@@ -193,23 +193,23 @@ def test_dropping_dispatches_run_only_in_training_and_the_rest_is_exact():
     ref = numpy_moe(x[0], w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"], w["b2"],
                     CFG.experts_per_token, CFG.swiglu_limit)
     for dispatch in ("capacity", "expert_parallel"):
-        cfg = dataclasses.replace(CFG, moe_dispatch=dispatch, moe_capacity_factor=0.5)
-        moe = _moe_module(cfg, w)
-        y_train, aux_train = moe(jnp.asarray(x, jnp.float32), train=True)
+        ex = ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=0.5)
+        moe = _moe_module(CFG, w)
+        y_train, aux_train = moe(jnp.asarray(x, jnp.float32), train=True, execution=ex)
         assert float(aux_train.drop_fraction) >= 0.5  # capacity 0.875, expert_parallel 0.5
-        y, aux = moe(jnp.asarray(x, jnp.float32))
+        y, aux = moe(jnp.asarray(x, jnp.float32), execution=ex)
         assert float(aux.drop_fraction) == 0.0
         np.testing.assert_allclose(y[0], ref, rtol=1e-4, atol=1e-4)
-    assert select_dispatch(CFG.replace(moe_dispatch="capacity"), 64, train=False) \
+    assert select_dispatch(CFG, ExecutionConfig(moe_dispatch="capacity"), 64, train=False) \
         is not DISPATCHES["capacity"].fn
-    assert select_dispatch(CFG.replace(moe_dispatch="dense"), 64, train=False) \
+    assert select_dispatch(CFG, ExecutionConfig(moe_dispatch="dense"), 64, train=False) \
         is DISPATCHES["dense"].fn
     # Outside training a dropping dispatch runs exactly: expert_parallel with every slot, or, for
     # a decode step (T k <= E: one token need not split over the expert axis), gather.
-    ep = CFG.replace(moe_dispatch="expert_parallel_gmm")
-    assert select_dispatch(ep, 64, train=False) is EXACT_FALLBACK["expert_parallel_gmm"]
-    assert select_dispatch(ep, 1, train=False) is DISPATCHES["gather"].fn
-    assert select_dispatch(ep, 1, train=True) is DISPATCHES["expert_parallel_gmm"].fn
+    ep = ExecutionConfig(moe_dispatch="expert_parallel_gmm")
+    assert select_dispatch(CFG, ep, 64, train=False) is EXACT_FALLBACK["expert_parallel_gmm"]
+    assert select_dispatch(CFG, ep, 1, train=False) is DISPATCHES["gather"].fn
+    assert select_dispatch(CFG, ep, 1, train=True) is DISPATCHES["expert_parallel_gmm"].fn
 
 
 def test_auto_moe_gathers_for_few_tokens_and_is_dropless_for_many():
@@ -220,10 +220,9 @@ def test_auto_moe_gathers_for_few_tokens_and_is_dropless_for_many():
 
 
 def test_capacity_slots_formula():
-    cfg = dataclasses.replace(CFG, moe_capacity_factor=1.25)
-    assert capacity(64, cfg) == 20  # ceil(1.25 * 64 * 2 / 8)
-    assert capacity(63, cfg) == 20  # ceil(19.69)
-    assert capacity(2, dataclasses.replace(CFG, moe_capacity_factor=100.0)) == 2  # at most T
+    assert capacity(64, CFG, 1.25) == 20  # ceil(1.25 * 64 * 2 / 8)
+    assert capacity(63, CFG, 1.25) == 20  # ceil(19.69)
+    assert capacity(2, CFG, 100.0) == 2  # at most T
 
 
 def test_router_aux_losses_closed_form_for_uniform_router():

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model.moe import MoE, route
 from llm_jax.model.moe_dispatch import DISPATCHES
 from llm_jax.model.moe_parallel import experts_per_unpack
@@ -138,11 +139,12 @@ def _layers(cfg: ModelConfig, seed: int = 0) -> tuple[MoE, MoE]:
     return packed, dense_layer
 
 
-def _outputs_and_input_grads(layer: MoE, x: jax.Array, ct: jax.Array):
+def _outputs_and_input_grads(layer: MoE, x: jax.Array, ct: jax.Array,
+                             execution: ExecutionConfig):
     graphdef, state = nnx.split(layer)
 
     def loss(x, state):
-        y, aux = nnx.merge(graphdef, state)(x, train=True)
+        y, aux = nnx.merge(graphdef, state)(x, train=True, execution=execution)
         return jnp.sum(y * ct), (y, aux.drop_fraction)
 
     (_, (y, drop)), gx = jax.jit(jax.value_and_grad(loss, has_aux=True))(x, state)
@@ -158,13 +160,13 @@ def _assert_close(got, want):
 @pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
 def test_packed_layer_equals_dequantized_layer_outputs_and_input_gradients(dispatch, k):
     # Capacity factor E / k: C = T slots, so the dropping dispatches drop nothing either.
-    cfg = dataclasses.replace(CFG, experts_per_token=k, moe_dispatch=dispatch,
-                              moe_capacity_factor=CFG.num_experts / k)
+    cfg = dataclasses.replace(CFG, experts_per_token=k)
+    ex = ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=CFG.num_experts / k)
     packed, dense_layer = _layers(cfg, seed=k)
     x = jax.random.normal(jax.random.key(k), (2, 12, cfg.hidden_size))
     ct = jax.random.normal(jax.random.key(7), x.shape)
-    y_p, drop_p, gx_p = _outputs_and_input_grads(packed, x, ct)
-    y_d, drop_d, gx_d = _outputs_and_input_grads(dense_layer, x, ct)
+    y_p, drop_p, gx_p = _outputs_and_input_grads(packed, x, ct, ex)
+    y_d, drop_d, gx_d = _outputs_and_input_grads(dense_layer, x, ct, ex)
     h = np.einsum("td,edf->tef", np.asarray(x).reshape(24, -1), dense_layer.gate_up_proj[...])
     assert (np.abs(h[..., 0::2]) > 7).any()  # the clamp is in play
     assert float(drop_p) == float(drop_d) == 0.0
@@ -172,18 +174,20 @@ def test_packed_layer_equals_dequantized_layer_outputs_and_input_gradients(dispa
     _assert_close(gx_p, gx_d)
 
 
-def _packed_equals_dequantized_lowered(cfg: ModelConfig, seed: int) -> tuple[MoE, str]:
+def _packed_equals_dequantized_lowered(cfg: ModelConfig, execution: ExecutionConfig,
+                                       seed: int) -> tuple[MoE, str]:
     """Asserts the packed layer's outputs and input gradients equal the dequantized layer's on a
     [2, 20] batch; returns the packed layer and the text of its lowered forward pass."""
     packed, dense_layer = _layers(cfg, seed=seed)
     x = jax.random.normal(jax.random.key(seed), (2, 20, cfg.hidden_size))
     ct = jax.random.normal(jax.random.key(seed + 1), x.shape)
-    y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct)
-    y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct)
+    y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct, execution)
+    y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct, execution)
     _assert_close(y_p, y_d)
     _assert_close(gx_p, gx_d)
     graphdef, state = nnx.split(packed)
-    return packed, jax.jit(lambda x, s: nnx.merge(graphdef, s)(x)[0]).lower(x, state).as_text()
+    forward = jax.jit(lambda x, s: nnx.merge(graphdef, s)(x, execution=execution)[0])
+    return packed, forward.lower(x, state).as_text()
 
 
 @pytest.mark.parametrize("dispatch", ["gmm", "expert_parallel_gmm"])
@@ -191,10 +195,9 @@ def test_kernel_dispatches_unpack_a_group_of_experts_at_a_time(dispatch):
     # 512 x 1024 float32 gate-up experts are 2 MiB each, the down ones 1 MiB: with 2 MiB groups
     # the gate-up stack is unpacked one expert at a time, the down stack two at a time, and the
     # layer still equals the dequantized one.
-    cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3,
-                              moe_dispatch=dispatch, moe_capacity_factor=8 / 3,
-                              mxfp4_unpack_mib=2)
-    packed, text = _packed_equals_dequantized_lowered(cfg, seed=5)
+    cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3)
+    ex = ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=8 / 3, mxfp4_unpack_mib=2)
+    packed, text = _packed_equals_dequantized_lowered(cfg, ex, seed=5)
     assert "1x512x1024xf32" in text and "2x512x512xf32" in text
     assert "8x512x1024xf32" not in text and "8x512x512xf32" not in text
     assert experts_per_unpack(packed.expert_weights().gate_up_EDF2, 0) == 8  # 0: all at once
@@ -206,9 +209,9 @@ def test_blocked_unpacks_a_stack_that_fits_once_and_a_larger_one_block_by_block(
     # 8 experts of 512 x 1024 float32 (gate-up, 16 MiB in all) and 512 x 512 (down, 8 MiB):
     # with no limit or 12 MiB, a stack that fits is unpacked whole before the blocks; past the
     # limit, each block unpacks its one expert. The layer equals the dequantized one either way.
-    cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3,
-                              moe_dispatch="blocked", mxfp4_unpack_mib=unpack_mib)
-    _, text = _packed_equals_dequantized_lowered(cfg, seed=4)
+    cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3)
+    ex = ExecutionConfig(moe_dispatch="blocked", mxfp4_unpack_mib=unpack_mib)
+    _, text = _packed_equals_dequantized_lowered(cfg, ex, seed=4)
     assert ("8x512x1024xf32" in text) == (unpack_mib == 0)
     assert ("8x512x512xf32" in text) == (unpack_mib in (0, 12))
 
@@ -220,7 +223,8 @@ def test_gather_unpacks_only_the_chosen_experts():
     w = packed.expert_weights()
     x = jnp.ones((1, CFG.hidden_size))
     r = route(x, packed.router[...], packed.router_bias[...], CFG.experts_per_token)
-    jaxpr = jax.make_jaxpr(lambda x, r, w: DISPATCHES["gather"].fn(x, r, w, CFG))(x, r, w)
+    jaxpr = jax.make_jaxpr(lambda x, r, w: DISPATCHES["gather"].fn(x, r, w, CFG,
+                                                                   ExecutionConfig()))(x, r, w)
     shapes = {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars}
     d, f2, e = CFG.hidden_size, 2 * CFG.intermediate_size, CFG.num_experts
     assert (2, d, f2) in shapes and (e, d, f2) not in shapes and (e, f2, d) not in shapes

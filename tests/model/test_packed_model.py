@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.inference.sampler import sample
 from llm_jax.model import init_model
 from llm_jax.weights.flat import flat_params
@@ -52,8 +53,10 @@ def test_packed_load_keeps_the_checkpoint_bytes(checkpoint):
 @pytest.mark.parametrize("dispatch", ["auto", "dense", "ragged", "gather", "blocked"])
 def test_packed_logits_equal_dequantized_logits(checkpoint, dispatch):
     path, _ = checkpoint
-    packed = load_pretrained(path, moe_dispatch=dispatch)
-    dense = load_pretrained(path, moe_dispatch=dispatch, expert_format="dense")
+    packed = load_pretrained(path, execution=ExecutionConfig(moe_dispatch=dispatch))
+    dense = load_pretrained(path, execution=ExecutionConfig(moe_dispatch=dispatch),
+                            expert_format="dense")
+    assert packed.execution.moe_dispatch == dense.execution.moe_dispatch == dispatch
     assert dense.cfg.expert_format == "dense"
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, packed.cfg.vocab_size, (2, 13)))
     a, b = packed(tokens), dense(tokens)

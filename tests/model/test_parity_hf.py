@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
+from llm_jax.execution import ExecutionConfig  # noqa: E402
 from llm_jax.weights.configs import hf_config_to_model_config, model_config_to_hf_config  # noqa: E402
 from llm_jax.weights.mxfp4 import dequantize_mxfp4  # noqa: E402
 from llm_jax.weights.writers import save_hf  # noqa: E402
@@ -161,7 +162,7 @@ def _check(label: str, ours: np.ndarray, want: np.ndarray) -> float:
 
 
 def _dispatch_kw(ref: Reference, dispatch: str) -> dict:
-    return {} if dispatch == "auto" else {"moe_dispatch": dispatch}
+    return {} if dispatch == "auto" else {"execution": ExecutionConfig(moe_dispatch=dispatch)}
 
 
 # ---------------------------------------------------------------------- the tests
@@ -338,15 +339,14 @@ def test_mxfp4_hf_checkpoint_matches_transformers_on_dequantized_weights(ref, qu
 
 # ---------------------------------------------------------------------- export
 def test_hf_export_loads_in_transformers_and_back_with_the_same_logits(ref, tmp_path):
-    model = load_pretrained(ref.hf_dir, moe_dispatch="dense")
-    assert hf_config_to_model_config(model_config_to_hf_config(model.cfg)) \
-        == model.cfg.replace(moe_dispatch="auto")  # the dispatch is no checkpoint property
+    model = load_pretrained(ref.hf_dir, execution=ExecutionConfig(moe_dispatch="dense"))
+    assert hf_config_to_model_config(model_config_to_hf_config(model.cfg)) == model.cfg
     out = save_hf(model, tmp_path / "export")
     hf = transformers.GptOssForCausalLM.from_pretrained(
         out, attn_implementation="eager", dtype=torch.float32).eval()
     _check(f"hf-export->transformers/{ref.name}", _hf_logits(hf, ref.tokens), ref.logits)
     _check(f"hf-export->llm_jax/{ref.name}/dense",
-           _ours(out, ref.tokens, moe_dispatch="dense"), ref.logits)
+           _ours(out, ref.tokens, **_dispatch_kw(ref, "dense")), ref.logits)
     # The exported tensors are the imported ones, bit for bit.
     exported = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     for k, v in ref.state.items():

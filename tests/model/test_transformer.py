@@ -9,15 +9,17 @@ import pytest
 from flax import nnx
 
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import abstract_model, init_model
 
 SMALL = ModelConfig(num_hidden_layers=3, num_experts=4, experts_per_token=2, vocab_size=97,
                     hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
-                    num_key_value_heads=2, sliding_window=4, moe_dispatch="dense")
+                    num_key_value_heads=2, sliding_window=4)
+DENSE = ExecutionConfig(moe_dispatch="dense")
 
 
 def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
-    model = init_model(SMALL, seed=1)
+    model = init_model(SMALL, seed=1, execution=DENSE)
     tokens = jax.random.randint(jax.random.key(0), (2, 11), 0, SMALL.vocab_size)
     logits = nnx.jit(model)(tokens)
 
@@ -29,7 +31,7 @@ def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
         pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
         for i in range(SMALL.num_hidden_layers):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-            x, _, _ = layer(x, pos, SMALL.layer_window(i))
+            x, _, _ = layer(x, pos, SMALL.layer_window(i), execution=DENSE)
         return model.norm(x) @ unembedding.T
 
     ref = unrolled(state, model.embedding[...], model.unembedding[...])
@@ -38,7 +40,7 @@ def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
 
 
 def test_logits_are_float32_and_aux_is_per_layer():
-    model = init_model(SMALL)
+    model = init_model(SMALL, execution=DENSE)
     logits, aux = model(jnp.zeros((2, 5), jnp.int32), return_aux=True)
     assert logits.shape == (2, 5, 97) and logits.dtype == jnp.float32
     assert aux.load_balancing_loss.shape == (3,)
@@ -47,8 +49,9 @@ def test_logits_are_float32_and_aux_is_per_layer():
 
 
 def test_bfloat16_compute_is_close_to_float32():
-    model = init_model(SMALL, seed=2)
-    bf16 = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(SMALL, dtype="bfloat16"))),
+    model = init_model(SMALL, seed=2, execution=DENSE)
+    bf16 = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(SMALL, dtype="bfloat16"),
+                                             execution=DENSE)),
                      nnx.state(model))
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, SMALL.vocab_size)
     ref, out = nnx.jit(model)(tokens), nnx.jit(bf16)(tokens)
@@ -57,7 +60,7 @@ def test_bfloat16_compute_is_close_to_float32():
 
 
 def test_only_relative_positions_matter():
-    model = init_model(SMALL, seed=3)
+    model = init_model(SMALL, seed=3, execution=DENSE)
     tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, SMALL.vocab_size)
     forward = nnx.jit(lambda m, t, p: m(t, positions_BT=p))
     a = forward(model, tokens, jnp.arange(6)[None])
@@ -67,31 +70,42 @@ def test_only_relative_positions_matter():
     assert float(jnp.max(jnp.abs(a - spread))) > 1e-3
 
 
-def _grads(cfg: ModelConfig, tokens: jax.Array):
-    model = init_model(cfg, seed=4)
+def _grads(cfg: ModelConfig, tokens: jax.Array, execution: ExecutionConfig):
+    model = init_model(cfg, seed=4, execution=execution)
     g, p = nnx.split(model)
     return jax.jit(jax.grad(lambda p: nnx.merge(g, p)(tokens).sum()))(p)
 
 
 def test_remat_gives_the_same_gradients():
     tokens = jax.random.randint(jax.random.key(4), (2, 7), 0, SMALL.vocab_size)
-    for a, b in zip(jax.tree.leaves(_grads(SMALL, tokens)),
-                    jax.tree.leaves(_grads(dataclasses.replace(SMALL, remat=True), tokens))):
+    for a, b in zip(jax.tree.leaves(_grads(SMALL, tokens, DENSE)),
+                    jax.tree.leaves(_grads(SMALL, tokens, DENSE.replace(remat=True)))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_unrolled_layers_give_the_same_logits_gradients_and_param_layout(remat):
     tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, SMALL.vocab_size)
-    scanned = dataclasses.replace(SMALL, remat=remat, moe_dispatch="capacity")
-    unrolled = dataclasses.replace(scanned, scan_layers=False)
-    np.testing.assert_allclose(nnx.jit(init_model(scanned, seed=4))(tokens),
-                               nnx.jit(init_model(unrolled, seed=4))(tokens), rtol=1e-5, atol=1e-6)
-    a, b = _grads(scanned, tokens), _grads(unrolled, tokens)
+    scanned = DENSE.replace(remat=remat, moe_dispatch="capacity")
+    unrolled = scanned.replace(scan_layers=False)
+    np.testing.assert_allclose(nnx.jit(init_model(SMALL, seed=4, execution=scanned))(tokens),
+                               nnx.jit(init_model(SMALL, seed=4, execution=unrolled))(tokens),
+                               rtol=1e-5, atol=1e-6)
+    a, b = _grads(SMALL, tokens, scanned), _grads(SMALL, tokens, unrolled)
     assert jax.tree.structure(a) == jax.tree.structure(b)  # same stacked [L, ...] weights
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert x.shape == y.shape
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_models_execution_is_one_assignment_that_reaches_every_layer():
+    model = init_model(SMALL, seed=1, execution=DENSE)
+    tokens = jax.random.randint(jax.random.key(6), (2, 8), 0, SMALL.vocab_size)
+    forward = nnx.jit(lambda m, t: m(t, train=True, return_aux=True)[1].drop_fraction)
+    assert float(jnp.max(forward(model, tokens))) == 0.0
+    model.execution = ExecutionConfig(moe_dispatch="capacity", moe_capacity_factor=0.25)
+    drops = forward(model, tokens)  # the static attribute changed: traced again
+    assert drops.shape == (SMALL.num_hidden_layers,) and bool(jnp.all(drops > 0))
 
 
 def _closed_form_param_count(c: ModelConfig) -> int:
@@ -127,7 +141,7 @@ def test_with_a_cache_each_layer_is_sliced_where_it_runs(platform):
     from llm_jax.model.kv_cache import init_cache
     from llm_jax.runtime.backend import compiling_for
 
-    model = init_model(SMALL, seed=2)
+    model = init_model(SMALL, seed=2, execution=DENSE)
     tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, SMALL.vocab_size)
     cache = init_cache(SMALL, 2, 8, "float32")
 

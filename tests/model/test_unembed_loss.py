@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import unembed_loss
 from llm_jax.model.unembed_loss import cross_entropy_sum
 
@@ -113,9 +113,11 @@ def test_training_loss_and_gradients_equal_the_full_logits_loss():
 
     cfg = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=97,
                       hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
-                      num_key_value_heads=2, moe_dispatch="dense")
+                      num_key_value_heads=2)
     train = default_run_config("t", cfg).train
-    graphdef, params = nnx.split(init_model(cfg, seed=5), nnx.Param)
+    graphdef, params = nnx.split(init_model(cfg, seed=5,
+                                            execution=ExecutionConfig(moe_dispatch="dense")),
+                                 nnx.Param)
     tokens = jax.random.randint(jax.random.key(6), (2, 33), 0, cfg.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
@@ -153,7 +155,7 @@ def test_train_step_holds_no_full_logits():
 def test_chunks_count_tokens_per_batch_shard():
     from llm_jax.model.unembed_loss import chunk_steps, loop_unroll
 
-    assert ModelConfig().loss_chunk_tokens == 256  # the CPU default: 256 tokens per chunk
+    assert ExecutionConfig().loss_chunk_tokens == 256  # the CPU default: 256 tokens per chunk
     assert chunk_steps(4, 128) == 64  # one device: B c = 256
     # 16 sequences over 16 devices (one per device): 256 tokens per device, not 256 / 16
     assert chunk_steps(16, 8192, 256, batch_shards=16) == 256
@@ -165,7 +167,7 @@ def test_chunks_count_tokens_per_batch_shard():
 def test_chunks_per_group_spread_evenly_over_the_fewest_groups():
     from llm_jax.model.unembed_loss import chunks_per_group
 
-    assert ModelConfig().loss_group_chunks == 1  # the default: one product per chunk
+    assert ExecutionConfig().loss_group_chunks == 1  # the default: one product per chunk
     assert chunks_per_group(4, 1) == 1 and chunks_per_group(4, 4) == 4
     assert chunks_per_group(4, 2) == 2 and chunks_per_group(4, 3) == 2  # 2 groups of 2, no pad
     assert chunks_per_group(5, 4) == 3  # 2 groups of 3 (1 chunk of padding), not 4 + 1

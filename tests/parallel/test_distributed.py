@@ -20,7 +20,14 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # helpers, as a script too
 
-from helpers import EIGHT_DEVICES, FAST_XLA, batches, tiny_model, tiny_train  # noqa: E402
+from helpers import (  # noqa: E402
+    EIGHT_DEVICES,
+    FAST_XLA,
+    batches,
+    tiny_execution,
+    tiny_model,
+    tiny_train,
+)
 
 # The same (2, 1, 2, 2) layout both ways: one process with data=2 inside it, or two processes
 # with data split across them (dcn_data=2, the hybrid mesh) and tensor x expert inside each.
@@ -88,12 +95,15 @@ def test_a_rerun_on_cpu_does_not_load_programs_that_hang(tmp_path):
 # --------------------------------------------------------------------------- workers
 
 
+EXPERT_PARALLEL = tiny_execution(moe_dispatch="expert_parallel")
+
+
 def _setup(mesh_spec):
 
     from llm_jax.parallel import sharding as sh
 
     mesh = sh.make_mesh(mesh_spec["mesh"], dcn_sizes=mesh_spec["dcn"] or None)
-    return tiny_model(moe_dispatch="expert_parallel"), tiny_train(), mesh
+    return tiny_model(), tiny_train(), mesh
 
 
 def worker_train(workdir: str, mesh_json: str) -> None:
@@ -106,7 +116,7 @@ def worker_train(workdir: str, mesh_json: str) -> None:
     from llm_jax.weights.checkpointing import Checkpointer
 
     cfg, tc, mesh = _setup(json.loads(mesh_json))
-    steps = compile_steps(cfg, tc, mesh, seed=0)
+    steps = compile_steps(cfg, tc, mesh, seed=0, execution=EXPERT_PARALLEL)
     state = steps.init()
     rows = distributed.local_rows(steps.batch_sharding, tc.batch_size)
     losses = []
@@ -161,7 +171,7 @@ def worker_restore(workdir: str, target: str, ref_npz: str) -> None:
     cfg, tc, _ = _setup(spec)
     mesh = sh.make_mesh(spec["mesh"] or None, devices=jax.devices()[:1]
                         if target == "one_device" else None)
-    steps = compile_steps(cfg, tc, mesh, seed=0)
+    steps = compile_steps(cfg, tc, mesh, seed=0, execution=EXPERT_PARALLEL)
     ckpt = Checkpointer(workdir, create=False, async_save=False)
     state = ckpt.restore(ckpt.latest_step(), steps.abstract_state, None)
     ref = np.load(ref_npz)

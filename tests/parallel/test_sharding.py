@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # helpers, as
 # a script too
 
-from helpers import EIGHT_DEVICES, batches, tiny_model, tiny_train  # noqa: E402
+from helpers import EIGHT_DEVICES, batches, tiny_execution, tiny_model, tiny_train  # noqa: E402
 
 from llm_jax.parallel import sharding as sh  # noqa: E402
 
@@ -30,11 +30,12 @@ from llm_jax.parallel import sharding as sh  # noqa: E402
 MESHES = [(8, 1, 1, 1), (2, 4, 1, 1), (2, 1, 2, 2), (1, 2, 1, 4), (1, 1, 1, 8)]
 
 
-def run_steps(cfg, mesh, num_steps=3, seed=0):
+def run_steps(cfg, mesh, num_steps=3, seed=0, execution=None):
     """(losses, final params as numpy, state) of `num_steps` train steps on `mesh`."""
     from llm_jax.training.step import compile_steps
 
-    steps = compile_steps(cfg, tiny_train(), mesh, seed)
+    steps = compile_steps(cfg, tiny_train(), mesh, seed,
+                          execution=execution or tiny_execution())
     state = steps.init()
     losses = []
     for b in batches(num_steps):
@@ -210,8 +211,8 @@ def case_meshes() -> dict:
     for m in MESHES:
         sizes = dict(zip(sh.MESH_AXES, m))
         dispatch = "expert_parallel" if sizes["expert"] > 1 else "capacity"
-        losses, params, state, steps = run_steps(tiny_model(moe_dispatch=dispatch),
-                                                 sh.make_mesh(sizes))
+        losses, params, state, steps = run_steps(tiny_model(), sh.make_mesh(sizes),
+                                                 execution=tiny_execution(moe_dispatch=dispatch))
         diff = max(float(np.max(np.abs(a - b))) for a, b in
                    zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
         # Every Adam moment is an array laid out exactly like its param.
@@ -384,7 +385,7 @@ def case_sharded_decode() -> dict:
     from llm_jax.inference.sampler import sample
     from llm_jax.model import init_model
 
-    model = init_model(tiny_model(moe_dispatch="auto"), 0)
+    model = init_model(tiny_model(), 0)  # the default execution: auto
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 128, size=n).tolist() for n in (3, 11, 7, 20)]
     ref_ids, ref_logits = sample(model, prompts, max_new_tokens=12, return_logits=True)

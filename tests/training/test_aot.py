@@ -56,7 +56,7 @@ def test_topology_names_follow_cloud_tpu_accelerator_types():
 @NEEDS_LIBTPU
 def test_train_step_compiles_for_a_tpu_topology_and_reports_memory():
     out = cli("--topology", "v5e-4", "--mesh", "fsdp=2,expert=2",
-              "--config.model.moe_dispatch=expert_parallel")
+              "--config.execution.moe_dispatch=expert_parallel")
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout[out.stdout.index("{"):])
     assert r["device_kind"] == "TPU v5 lite" and r["devices"] == 4
@@ -73,7 +73,7 @@ def test_train_step_compiles_for_a_tpu_topology_and_reports_memory():
 def test_train_step_compiles_for_eight_cpu_devices(tmp_path):
     hlo = tmp_path / "step.hlo.txt"
     out = cli("--cpu_devices", "8", "--mesh", "data=2,tensor=2,expert=-1",
-              "--config.model.moe_dispatch=expert_parallel", f"--hlo_out={hlo}",
+              "--config.execution.moe_dispatch=expert_parallel", f"--hlo_out={hlo}",
               xla_flags="--xla_backend_optimization_level=0")
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout[out.stdout.index("{"):])
@@ -122,16 +122,17 @@ def test_sharded_decode_loop_keeps_no_copy_of_the_layer_weights():
     code = """
 import json
 from llm_jax.config import ModelConfig
+from llm_jax.execution import ExecutionConfig
 from llm_jax.training import aot
 from llm_jax.parallel.sharding import make_mesh
 cfg = ModelConfig(num_hidden_layers=3, num_experts=8, experts_per_token=2, hidden_size=2048,
                   intermediate_size=2048, head_dim=32, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, dtype="bfloat16",
-                  param_dtype="bfloat16", expert_format="mxfp4",
-                  moe_dispatch="expert_parallel_gmm")
+                  param_dtype="bfloat16", expert_format="mxfp4")
 mesh = make_mesh({"expert": 2, "tensor": 2}, aot.tpu_devices("v5e-4"))
 compiled = aot.compile_generate(cfg, mesh, batch=1, prompt_len=256, new_tokens=16,
-                                shard_weights=True)
+                                shard_weights=True,
+                                execution=ExecutionConfig(moe_dispatch="expert_parallel_gmm"))
 m = compiled.memory_analysis()
 print(json.dumps({"args": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes}))
 """

@@ -33,13 +33,14 @@ from llm_jax.data.sft import (  # noqa: E402
     split_conversations,
     tokenize_conversation,
 )
+from llm_jax.execution import ExecutionConfig  # noqa: E402
 from llm_jax.export import export  # noqa: E402
 from llm_jax.model.lora import LoRAParam, add_lora  # noqa: E402
 from llm_jax.training.finetune import restore_finetuned  # noqa: E402
 from llm_jax.training.loop import train  # noqa: E402
 from llm_jax.training.metrics import read_metrics  # noqa: E402
 from llm_jax.training.step import eval_step, loss_fn, target_mask  # noqa: E402
-from llm_jax.weights.adapters import merge_lora, save_adapters  # noqa: E402
+from llm_jax.weights.adapters import load_adapters, merge_lora, save_adapters  # noqa: E402
 from llm_jax.weights.writers import save_hf  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -221,6 +222,12 @@ def test_lora_step0_is_base_and_merged_export_matches_transformers(ckpt, tmp_pat
     save_adapters(lora, tmp_path / "adapters", rank=4, alpha=8.0)
     meta = json.loads((tmp_path / "adapters" / "adapters.json").read_text())
     assert meta["rank"] == 4 and len(meta["targets"]) == 6
+    # adapters.json as written before ExecutionConfig: its base_model also holds the execution
+    # fields, which never identified the base.
+    meta["base_model"] = {**meta["base_model"], **ExecutionConfig(remat=True).to_dict()}
+    (tmp_path / "adapters" / "adapters.json").write_text(json.dumps(meta))
+    again = load_adapters(load_pretrained(ckpt), tmp_path / "adapters")
+    np.testing.assert_array_equal(np.asarray(again(tokens)), adapted)
 
 
 def test_full_sft_lowers_assistant_loss(ckpt, jsonl, tmp_path):
@@ -267,7 +274,7 @@ def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl
 def test_init_from_shape_override_is_refused(ckpt, jsonl, tmp_path):
     cfg = _config("finetune_full", ckpt, jsonl)
     cfg.model.hidden_size = 64
-    cfg.model.dtype = "bfloat16"  # an implementation field may differ
+    cfg.model.dtype = "bfloat16"  # a conversion of the weights may differ
     with pytest.raises(ValueError, match=r"model\.hidden_size=64 \(checkpoint: 32\)"):
         train(cfg, str(tmp_path))
 

@@ -304,6 +304,9 @@ def test_config_unknown_field_wrong_type_and_conflicts_are_named(corpus_dir, tmp
         (bad("sft", "on_bad_line", "skp"), r"sft.on_bad_line='skp' is invalid: expected one of"),
         (bad("data", "on_bad_file", "eror"), r"data.on_bad_file='eror' is invalid: expected one "
                                              r"of \['skip', 'stop'\]"),
+        (bad("model", "remat", True), r"model.remat is an execution setting.*"
+                                      r"set config.execution.remat instead"),
+        (bad("execution", "loss_chunk_tokens", 0), r"ExecutionConfig.loss_chunk_tokens=0"),
     ]:
         with pytest.raises(ValueError, match=match):
             validate_run_config(cfg)
@@ -326,6 +329,10 @@ def test_cli_wrong_type_and_repeated_overrides_are_clear_errors(corpus_dir, tmp_
         (["--config.train.num_stpes=3"], "--config.train.num_stpes: config.train has no field "
                                          "'num_stpes'"),
         (["--config.model.hidden_size=-5"], "ModelConfig.hidden_size=-5 is invalid"),
+        (["--config.model.moe_dispatch=gmm"], "--config.model.moe_dispatch: config.model has no "
+                                              "field 'moe_dispatch'; it is "
+                                              "config.execution.moe_dispatch: use "
+                                              "--config.execution.moe_dispatch=..."),
         (["--config.sft.on_bad_line=skp"], "sft.on_bad_line='skp' is invalid: expected one of "
                                            "['skip', 'stop']"),
     ]:

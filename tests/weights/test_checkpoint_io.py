@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from llm_jax import ModelConfig, Transformer, load_pretrained
+from llm_jax import ExecutionConfig, ModelConfig, Transformer, load_pretrained
 from llm_jax.convert import main as convert_main
 from llm_jax.weights import configs, flat, layouts, readers, tensor_store, writers
 
@@ -52,12 +52,35 @@ def hf_dir(model, tmp_path) -> Path:
 # ---------------------------------------------------------------------- round trips
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_llm_jax_checkpoint_round_trip_is_bitwise(param_dtype, tmp_path):
-    cfg = CFG.replace(param_dtype=param_dtype, dtype=param_dtype, moe_dispatch="dense")
+    cfg = CFG.replace(param_dtype=param_dtype, dtype=param_dtype)
     m = random_model(cfg)
+    m.execution = ExecutionConfig(moe_dispatch="dense")
     writers.save_llm_jax(m, tmp_path)
+    saved = json.loads((tmp_path / layouts.LLM_JAX_CONFIG).read_text())
+    assert saved["model"] == cfg.to_dict()  # what the model is; how it ran is not stored
     back = load_pretrained(tmp_path)
-    assert back.cfg == cfg
+    assert back.cfg == cfg and back.execution == ExecutionConfig()
     assert_same_params(m, back)
+
+
+def test_an_llm_jax_checkpoint_whose_model_config_holds_the_execution_fields_loads(model,
+                                                                                   tmp_path):
+    """config.json as llm_jax wrote it before ExecutionConfig: the execution fields (here not
+    the defaults) beside the model's, read past."""
+    writers.save_llm_jax(model, tmp_path)
+    path = tmp_path / layouts.LLM_JAX_CONFIG
+    meta = json.loads(path.read_text())
+    older = ExecutionConfig(moe_dispatch="capacity", remat=True, gmm_tile_m=256)
+    meta["model"] = {**meta["model"], **older.to_dict()}
+    path.write_text(json.dumps(meta))
+    back = load_pretrained(tmp_path, execution=ExecutionConfig(moe_dispatch="dense"))
+    assert back.cfg == model.cfg and back.execution == ExecutionConfig(moe_dispatch="dense")
+    assert_same_params(model, back)
+
+
+def test_an_execution_field_asked_as_a_load_conversion_names_the_execution_argument(hf_dir):
+    with pytest.raises(ValueError, match=r"pass execution=ExecutionConfig\(moe_dispatch=\.\.\.\)"):
+        load_pretrained(hf_dir, moe_dispatch="dense")
 
 
 @pytest.mark.parametrize("writer", ["hf", "hf_sharded", "openai"])
@@ -83,8 +106,9 @@ def test_openai_dir_under_original_is_found(model, tmp_path):
 
 
 def test_dtype_argument_casts_weights_and_compute(hf_dir):
-    m = load_pretrained(hf_dir, dtype="bfloat16", moe_dispatch="dense")
-    assert (m.cfg.dtype, m.cfg.param_dtype, m.cfg.moe_dispatch) == ("bfloat16", "bfloat16", "dense")
+    m = load_pretrained(hf_dir, dtype="bfloat16", execution=ExecutionConfig(moe_dispatch="dense"))
+    assert (m.cfg.dtype, m.cfg.param_dtype) == ("bfloat16", "bfloat16")
+    assert m.execution.moe_dispatch == "dense"
     assert m.layers.attn.q_proj[...].dtype == np.dtype("bfloat16")
     assert m.layers.attn.sinks[...].dtype == np.float32  # kept float32 by the model
 
