@@ -201,7 +201,7 @@ def test_every_name_written_with_its_module_is_defined_there(doc):
 
 def test_a_name_placed_in_the_wrong_module_is_caught():
     right = ("`sharding.parse_mesh` splits the spec; `parse_mesh` in `sharding.py` and "
-             "`parallel/sharding.py`'s `RULES`; `costs.param_shards(cfg, mesh)`; the field "
+             "`parallel/sharding.py`'s `RULES`; `costs.param_shardings(cfg, mesh)`; the field "
              "`train.batch_size`; `jax.shard_map`; `weights.flat.aligned_empty`; "
              "`MESH_AXES` (`sharding.py`); `step.py`")
     assert misplaced_names(right) == []
