@@ -207,9 +207,9 @@ def test_a_name_placed_in_the_wrong_module_is_caught():
     assert misplaced_names(right) == []
     wrong = ("`costs.parse_mesh` splits the spec; `parse_mesh` in `costs.py`; `costs.py`'s "
              "`RULES`; `train.no_such_field`; `weights.flat.no_such_name`; "
-             "`MESH_AXES` (`costs.py`); `train_step.py`")
-    assert misplaced_names(wrong) == ["MESH_AXES in costs.py", "RULES in costs.py",
-                                      "costs.parse_mesh", "parse_mesh in costs.py",
+             "`state_shardings` (`costs.py`); `train_step.py`")
+    assert misplaced_names(wrong) == ["RULES in costs.py", "costs.parse_mesh",
+                                      "parse_mesh in costs.py", "state_shardings in costs.py",
                                       "train.no_such_field", "train_step.py",
                                       "weights.flat.no_such_name"]
 
