@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm_jax.inference.loop import bucket, decode_step, prefill
+from llm_jax.inference.loop import bucket, decode_step, prefill, slice_layers_once
 from llm_jax.inference.requests import (
     EngineClosed,
     EngineConfig,
@@ -41,13 +41,9 @@ from llm_jax.inference.requests import (
 )
 from llm_jax.inference.sampling import greedy_tokens, sample_logits
 from llm_jax.model.kv_cache import LayerCache, init_cache
-from llm_jax.runtime.backend import InferenceJit, backend
+from llm_jax.runtime.backend import InferenceJit
 
 log = logging.getLogger(__name__)
-
-# Above this many bytes of layer weights the decode step slices the stacked weights itself
-# instead of holding a second, per-layer copy (see loop.SLICE_LAYERS_MAX_BYTES).
-SLICE_LAYERS_MAX_BYTES = 1 << 30
 
 
 def _keys(seeds_B: jax.Array, steps_B: jax.Array) -> jax.Array:
@@ -107,9 +103,8 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         self.cache_dtype = str(jnp.dtype(cfg.cache_dtype or model.cfg.dtype))
         self.cache = init_cache(model.cfg, cfg.slots, cfg.max_len, self.cache_dtype)
-        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(model.layers)))
         self.layers = (jax.jit(lambda s: nnx.merge(self.graphdef, s).layer_states())(self.state)
-                       if backend() == "cpu" and nbytes <= SLICE_LAYERS_MAX_BYTES else None)
+                       if slice_layers_once(model) else None)
         self.weights, self.treedef = jax.tree.flatten((self.state, self.layers))
         b = cfg.slots
         self.tokens_B, self.positions_B = np.zeros(b, np.int32), np.zeros(b, np.int32)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from llm_jax.inference.sampling import sample_logits
 from llm_jax.model.kv_cache import KVCache, init_cache, shard_cache
 from llm_jax.parallel.sharding import with_mesh
-from llm_jax.runtime.backend import InferenceJit, backend
+from llm_jax.runtime.backend import InferenceJit, plan
 
 MIN_BUCKET = 16
 
@@ -53,13 +53,15 @@ def prefill(model: nnx.Module, tokens_BP: jax.Array, lengths_B: jax.Array,
 # XLA:CPU copies each layer's slice of the stacked weights inside the decode loop, every step;
 # sliced once before the loop, a batch-8 step of the tiny config ran ~4 % faster and a batch-1
 # step ~8 %. That holds a second copy of the layer weights for the call, so it is done only
-# where it was measured, on CPU, and up to this many bytes of layer weights.
+# where it was measured (the plan's `slice_layers_before_decoding`: CPU), and up to this many
+# bytes of layer weights.
 SLICE_LAYERS_MAX_BYTES = 1 << 30
 
 
-def _slice_layers_once(model: nnx.Module) -> bool:
+def slice_layers_once(model: nnx.Module) -> bool:
+    """Whether decoding `model` slices its stacked layer weights once, before the loop."""
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(model.layers)))
-    return backend() == "cpu" and nbytes <= SLICE_LAYERS_MAX_BYTES
+    return plan().slice_layers_before_decoding and nbytes <= SLICE_LAYERS_MAX_BYTES
 
 
 def decode_step(model: nnx.Module, tokens_B: jax.Array, positions_B: jax.Array,
@@ -126,7 +128,7 @@ def _generate(graphdef, state, prompts_BP, lengths_B, max_new, key, temperature,
         t, *_, done, _ = s
         return (t < max_new) & ~jnp.all(done)
 
-    layers = model.layer_states() if _slice_layers_once(model) else None
+    layers = model.layer_states() if slice_layers_once(model) else None
 
     def body(s):
         t, out, lg, made, done, cache = s

@@ -36,7 +36,7 @@ from llm_jax.model.params import normal, param, zeros
 from llm_jax.model.rope import apply_rope, rope_cos_sin
 from llm_jax.model.select import attention_impl
 from llm_jax.parallel.sharding import constrain
-from llm_jax.runtime.backend import backend
+from llm_jax.runtime.backend import plan
 
 
 class Attention(nnx.Module):
@@ -162,7 +162,7 @@ def _splash(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
     b, t = mask.q_positions_BT.shape
     fallback = _blockwise if use_blockwise(b, t, t, cfg.num_attention_heads) else _direct
     splash = functools.partial(splash_attend, windows=cfg.layer_windows,
-                               interpret=backend() != "tpu")
+                               interpret=not plan().tpu_kernels_native)
     return jax.lax.cond(index_positions(mask.q_positions_BT, mask.q_segment_ids_BT),
                         lambda q, k, v: splash(q, k, v, sinks, *mask),
                         lambda q, k, v: fallback(q, k, v, sinks, mask, cfg),
@@ -171,7 +171,7 @@ def _splash(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
 
 def _flash(q, k, v, sinks, mask: MaskInputs, cfg: ModelConfig) -> jax.Array:
     """Pallas flash attention for GPU (Triton); interpreted elsewhere."""
-    return flash_attend(q, k, v, sinks, *mask, interpret=backend() != "gpu")
+    return flash_attend(q, k, v, sinks, *mask, interpret=not plan().triton_kernels_native)
 
 
 ATTENTIONS: dict[str, AttentionFn] = {

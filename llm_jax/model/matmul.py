@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from llm_jax.runtime.backend import backend  # the platform traced for (AOT targets included)
+from llm_jax.runtime.backend import plan  # the platform traced for (AOT targets included)
 
 
 def _spec(spec: str) -> tuple[str, str, str]:
@@ -48,7 +48,7 @@ def plain_layout(spec: str) -> bool:
 
 def _product(spec: str, a: jax.Array, b: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
     """One bfloat16 product accumulated in float32, in a form the backend runs."""
-    if backend() == "cpu" and not plain_layout(spec):
+    if plan().float32_transposed_products and not plain_layout(spec):
         f32 = jnp.float32
         return jnp.einsum(spec, a.astype(f32), b.astype(f32)).astype(out_dtype)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)

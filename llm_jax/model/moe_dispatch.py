@@ -51,7 +51,7 @@ from llm_jax.model.moe_parallel import experts_per_unpack, moe_expert_parallel, 
 from llm_jax.model.mxfp4 import PackedExperts, dense
 from llm_jax.model.select import auto_moe
 from llm_jax.parallel.sharding import constrain
-from llm_jax.runtime.backend import backend
+from llm_jax.runtime.backend import plan
 
 
 def moe_dense(x_TD: jax.Array, routing: Routing, w: ExpertWeights, limit: float) -> jax.Array:
@@ -195,11 +195,11 @@ def _no_drops(f: Callable[..., jax.Array]) -> DispatchFn:
 def _gmm_kernel(ex: ExecutionConfig) -> dict[str, Any]:
     """The grouped-matmul kernel for the target backend: Triton on GPU, else megablox (on CPU in
     interpret mode, as the tests run it) with the execution config's tiles."""
-    platform = backend()
-    tile = (ex.gmm_tile_m, ex.gmm_tile_k, ex.gmm_tile_n)
-    if platform == "gpu":
-        return {"kernel": "triton", "interpret": False, "tile": tile}
-    return {"kernel": "megablox", "interpret": platform != "tpu", "tile": tile}
+    target = plan()
+    kernel = target.grouped_matmul_kernel
+    native = target.triton_kernels_native if kernel == "triton" else target.tpu_kernels_native
+    return {"kernel": kernel, "interpret": not native,
+            "tile": (ex.gmm_tile_m, ex.gmm_tile_k, ex.gmm_tile_n)}
 
 
 def _gmm(x, r, w, cfg, ex):

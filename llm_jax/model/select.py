@@ -1,6 +1,8 @@
 """Which attention and MoE implementation a run uses: one table per backend, `auto` by default.
-The one place that decides: `attention_impl` for the layer's attention, `auto_moe` and
-`moe_impl` for the MoE dispatch (`model/moe_dispatch.py` runs what they name).
+The one place that picks implementations: `attention_impl` for the layer's attention, `auto_moe`
+and `moe_impl` for the MoE dispatch (`model/moe_dispatch.py` runs what they name). How a chosen
+implementation runs on the platform (kernels native or interpreted, the CPU-only workarounds) is
+`runtime.backend.plan`'s, the one table of those.
 
 `ExecutionConfig.attention_impl` and `ExecutionConfig.moe_dispatch` override it. The table is by
 backend because a kernel is only fast (or only runs) where it was written for: splash attention

@@ -36,7 +36,7 @@ from llm_jax.model.norm import make_norm
 from llm_jax.model.params import normal, param
 from llm_jax.model.unembed_loss import cross_entropy_sum, logits, rows
 from llm_jax.parallel.sharding import constrain
-from llm_jax.runtime.backend import backend
+from llm_jax.runtime.backend import plan
 
 RESIDUAL = ("batch", "length", "embed")  # logical axes of the residual stream
 
@@ -131,7 +131,7 @@ class Transformer(nnx.Module):
             auxes, new_cache = [], []
             for i, layer_cache in enumerate(cache):
                 state = (layers[i] if layers is not None else
-                         _layer_slice(layer_state, i, None if backend() == "cpu" else x))
+                         _layer_slice(layer_state, i, x if plan().layer_slice_barrier else None))
                 block = nnx.merge(graphdef, state)
                 x, aux, layer_cache = block(x, positions_BT, cfg.layer_window(i), segment_ids_BT,
                                             layer_cache, train=train, execution=execution)
@@ -196,7 +196,7 @@ def _layer_slice(layer_state: nnx.State, i: int, after: jax.Array | None) -> nnx
     as copies: every layer's weights a second time, live for the whole loop (docs/scaling.md).
     libtpu can drop the barrier in a sharded program before that pass runs (it did for
     gpt-oss-120b on v5e-8), so the inference programs of XLA:TPU and XLA:CPU compile without it
-    (`runtime.backend.INFERENCE_OPTIONS`); the barrier stays for XLA:GPU, which keeps the pass
+    (`runtime.backend.PLANS`' inference options); the barrier stays for XLA:GPU, which keeps the pass
     (its programs were not measured)."""
     if after is not None:
         i, _ = jax.lax.optimization_barrier((jnp.asarray(i, jnp.int32), after))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from llm_jax.parallel.sharding import constrain, mesh_axes, shard_count
-from llm_jax.runtime.backend import backend
+from llm_jax.runtime.backend import plan
 
 # Tokens per chunk and batch shard (B c / S): about 8 MB of float32 logits at V = 8,000, so a
 # chunk stays in cache (ExecutionConfig.loss_chunk_tokens' default).
@@ -61,7 +61,7 @@ def rows(table_VD: jax.Array, index: Any) -> jax.Array:
     bfloat16 gather or dynamic slice to float32 first (gpt-oss-20b's embedding: 2.3 GB, kept
     for a whole decode loop once hoisted out of it). Elsewhere the rows move as they are: on TPU
     the 16-bit view of the table is a copy of it."""
-    if table_VD.dtype.itemsize != 2 or backend() != "cpu":
+    if table_VD.dtype.itemsize != 2 or not plan().rows_as_bits:
         return index(table_VD) if callable(index) else table_VD[index]
     bits = jax.lax.bitcast_convert_type(table_VD, jnp.uint16)
     bits = index(bits) if callable(index) else bits[index]
@@ -77,7 +77,7 @@ def logits(h_BTD: jax.Array, w_VD: jax.Array, dtype: Any) -> jax.Array:
     h_BTD = h_BTD.astype(dtype)
     product = functools.partial(jnp.einsum, "BTD,VD->BTV", preferred_element_type=jnp.float32)
     v, c = w_VD.shape[0], CPU_VOCAB_CHUNK
-    if backend() != "cpu" or w_VD.dtype == jnp.float32 or v <= c:
+    if not plan().vocab_chunked_logits or w_VD.dtype == jnp.float32 or v <= c:
         return product(h_BTD, w_VD.astype(dtype))
 
     def chunk(k: jax.Array, out_BTV: jax.Array) -> jax.Array:

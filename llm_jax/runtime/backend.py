@@ -1,12 +1,16 @@
-"""Which platform the program being traced will run on: the one question about the hardware that
-the model and the kernels ask (`backend()`), and the way ahead-of-time compilation for other
-hardware answers it (`compiling_for`).
+"""Which platform the program being traced will run on, and what that changes: the one module
+that asks about the hardware. `plan()` is the platform's row of `PLANS`, every backend decision
+and CPU-only workaround by name; the model, the kernels' callers and the inference programs read
+those names and never the platform itself (model/select.py's `AUTO` table, which picks the
+implementations, reads `backend()`). Ahead-of-time compilation for other hardware answers the
+question with `compiling_for`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,14 +37,68 @@ CPU_INFERENCE_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OP
 # before this pass runs, which then hoists every layer's slice out of the decode loop as a copy
 # (gpt-oss-120b's generate at prompt 4096 on v5e-8: 16.60 GB needed of 15.75 with the pass,
 # 14.97 GiB without). Training keeps the defaults; GPU keeps them too (not measured).
-INFERENCE_OPTIONS: dict[str, dict[str, str]] = {"cpu": CPU_INFERENCE_OPTIONS,
-                                                "tpu": NO_LOOP_INVARIANT_CODE_MOTION}
 
 # The platform being traced for, set only inside `compiling_for` (ahead-of-time compilation for
 # other hardware); a context variable, so concurrent threads tracing for different targets
 # do not see each other's.
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_jax_target",
                                                                      default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformPlan:
+    """What the programs traced for one platform do differently from the others."""
+
+    platform: str
+    # Pallas kernels compile natively: the TPU ones (splash attention, megablox) on TPU, the
+    # Triton ones (kernels/*_gpu.py) on GPU; elsewhere they run in interpret mode (CPU tests).
+    tpu_kernels_native: bool
+    triton_kernels_native: bool
+    # The grouped-matmul MoE's kernel: "triton" (kernels/gmm_gpu.py) or "megablox".
+    grouped_matmul_kernel: str
+    # XLA:CPU has no bfloat16 matmul of its own: a 16-bit product whose layout is not a plain
+    # batched matmul runs on float32 copies of its operands (model/matmul.py), which is the same
+    # float32-accumulated product and faster than XLA:CPU's own conversion.
+    float32_transposed_products: bool
+    # XLA:CPU has no bfloat16 data movement: it widens a whole 16-bit table to float32 for one
+    # gather or slice of it, so 16-bit rows move as their uint16 bit patterns (unembed_loss.rows).
+    rows_as_bits: bool
+    # XLA:CPU converts a 16-bit unembedding to float32 whole before the logits' product: the
+    # logits walk its rows in chunks instead (unembed_loss.CPU_VOCAB_CHUNK).
+    vocab_chunked_logits: bool
+    # An optimization barrier ties a decode step's layer slice to the layer's input, so the slice
+    # is not hoisted out of the decode loop as a copy (transformer._layer_slice); XLA:CPU needs no
+    # barrier: its inference programs run without loop-invariant code motion.
+    layer_slice_barrier: bool
+    # Decoding slices the stacked layer weights once before the loop (inference/loop.py): XLA:CPU
+    # otherwise copies each layer's slice inside the loop, every step.
+    slice_layers_before_decoding: bool
+    # Compiler options of the inference programs (INFERENCE_OPTIONS).
+    inference_options: dict[str, str] | None
+
+
+PLANS: dict[str, PlatformPlan] = {
+    "cpu": PlatformPlan("cpu", tpu_kernels_native=False, triton_kernels_native=False,
+                        grouped_matmul_kernel="megablox", float32_transposed_products=True,
+                        rows_as_bits=True, vocab_chunked_logits=True, layer_slice_barrier=False,
+                        slice_layers_before_decoding=True,
+                        inference_options=CPU_INFERENCE_OPTIONS),
+    "gpu": PlatformPlan("gpu", tpu_kernels_native=False, triton_kernels_native=True,
+                        grouped_matmul_kernel="triton", float32_transposed_products=False,
+                        rows_as_bits=False, vocab_chunked_logits=False, layer_slice_barrier=True,
+                        slice_layers_before_decoding=False, inference_options=None),
+    "tpu": PlatformPlan("tpu", tpu_kernels_native=True, triton_kernels_native=False,
+                        grouped_matmul_kernel="megablox", float32_transposed_products=False,
+                        rows_as_bits=False, vocab_chunked_logits=False, layer_slice_barrier=True,
+                        slice_layers_before_decoding=False,
+                        inference_options=NO_LOOP_INVARIANT_CODE_MOTION),
+}
+
+
+def plan() -> PlatformPlan:
+    """The plan of the platform being traced for (`backend()`); an unknown platform (a plugin)
+    gets the GPU row: native XLA kernels, no CPU workaround."""
+    return PLANS.get(backend(), PLANS["gpu"])
 
 
 def backend() -> str:
@@ -60,20 +118,20 @@ def compiling_for(platform: str) -> Iterator[None]:
 
 
 class InferenceJit:
-    """`jax.jit(fn, **jit_kwargs)` compiled with the INFERENCE_OPTIONS of the platform being
-    traced for (`backend()`, so an ahead-of-time compile for TPU gets TPU's): one jitted
-    function per platform, made on first use. Called, or `.lower(...)`, like a jitted one."""
+    """`jax.jit(fn, **jit_kwargs)` compiled with the inference options of the platform being
+    traced for (`plan()`, so an ahead-of-time compile for TPU gets TPU's): one jitted function
+    per platform, made on first use. Called, or `.lower(...)`, like a jitted one."""
 
     def __init__(self, fn: Callable[..., Any], **jit_kwargs: Any):
         self.fn, self.jit_kwargs = fn, jit_kwargs
         self.jitted: dict[str, Any] = {}
 
     def for_platform(self) -> Any:
-        platform = backend()
-        if platform not in self.jitted:
-            self.jitted[platform] = jax.jit(
-                self.fn, compiler_options=INFERENCE_OPTIONS.get(platform), **self.jit_kwargs)
-        return self.jitted[platform]
+        target = plan()
+        if target.platform not in self.jitted:
+            self.jitted[target.platform] = jax.jit(
+                self.fn, compiler_options=target.inference_options, **self.jit_kwargs)
+        return self.jitted[target.platform]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.for_platform()(*args, **kwargs)

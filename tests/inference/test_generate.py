@@ -174,10 +174,10 @@ def test_greedy_tokens_match_transformers_generate(tmp_path):
 def test_decoding_from_stacked_layer_weights_equals_slicing_them_once(model, monkeypatch):
     # On CPU the loop slices each layer's weights once before it (loop.SLICE_LAYERS_MAX_BYTES);
     # with the limit at 0 every step reads the stacked weights, as on accelerators.
-    assert loop._slice_layers_once(model)
+    assert loop.slice_layers_once(model)
     ids, logits = generate(model, PROMPTS, max_new_tokens=9, return_logits=True)
     monkeypatch.setattr(loop, "SLICE_LAYERS_MAX_BYTES", 0)
-    assert not loop._slice_layers_once(model)
+    assert not loop.slice_layers_once(model)
     generate_jit.for_platform().clear_cache()
     try:
         stacked_ids, stacked_logits = generate(model, PROMPTS, max_new_tokens=9,

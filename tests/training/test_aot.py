@@ -118,7 +118,7 @@ def test_sharded_decode_loop_keeps_no_copy_of_the_layer_weights():
     # input, and while-loop invariant code motion hoisted the slices out of the decode loop as
     # copies (gpt-oss-120b on v5e-8: 16.60 GB of 15.75; here the temporaries were 0.92 of the
     # arguments with the pass, 0.19 without). The inference programs compile without that pass
-    # on TPU (runtime.backend.INFERENCE_OPTIONS).
+    # on TPU (runtime.backend.PLANS).
     code = """
 import json
 from llm_jax.config import ModelConfig
