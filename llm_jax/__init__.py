@@ -3,7 +3,7 @@
 Public entry points (imported lazily, so `import llm_jax` stays cheap): `ModelConfig` (what a
 model is), `ExecutionConfig` (how it runs), `Transformer`, `init_model`, `load_pretrained`, and
 `sample(model, prompt_ids, max_new_tokens=...)` for generation. The command lines are
-`python -m llm_jax.train|generate|serve|chat|eval|convert|describe|compile|bench`.
+`python -m llm_jax.train|generate|serve|chat|eval|convert|export|describe|compile|bench`.
 
 Importing the package changes nothing in the process: no allocator tuning, no JAX flags or
 global configuration. The command lines (and `python -m llm_jax.run SCRIPT`) choose the host

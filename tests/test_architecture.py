@@ -17,7 +17,7 @@ PACKAGE = ROOT / "llm_jax"
 # higher rank. The command lines (llm_jax/*.py) and the benchmarks sit on top.
 RANKS = {
     "config": 0, "execution": 0, "runtime": 0,
-    "(package root)": 0.5,  # llm_jax/__init__.py: tunes malloc; its public names load lazily
+    "(package root)": 0.5,  # llm_jax/__init__.py: its public names, loaded lazily
     "parallel": 1,
     "kernels": 2,
     "model": 3, "data": 3,

@@ -1,9 +1,10 @@
-"""Which platform the program being traced will run on, and what that changes: the one module
-that asks about the hardware. `plan()` is the platform's row of `PLANS`, every backend decision
-and CPU-only workaround by name; the model, the kernels' callers and the inference programs read
-those names and never the platform itself (model/select.py's `AUTO` table, which picks the
-implementations, reads `backend()`). Ahead-of-time compilation for other hardware answers the
-question with `compiling_for`.
+"""Which platform the program being traced will run on, and what that changes: the one place
+traced code learns its platform (host-side tools ask about their devices themselves: the matmul
+peak, the compilation cache, the ahead-of-time compile's memory report). `plan()` is the
+platform's row of `PLANS`, every backend decision and CPU-only workaround by name; the model,
+the kernels' callers and the inference programs read those names and never the platform itself
+(model/select.py's `AUTO` table, which picks the implementations, reads `backend()`).
+Ahead-of-time compilation for other hardware answers the question with `compiling_for`.
 """
 
 from __future__ import annotations
