@@ -17,12 +17,16 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from llm_jax.runtime.malloc import use_preferred_malloc
+
+if __name__ == "__main__":  # first: a restart under the preferred malloc re-imports nothing heavy
+    use_preferred_malloc()
+
 from llm_jax.inference.engine import Engine
 from llm_jax.inference.requests import EngineConfig, SamplingParams, Sequence as EngineSequence
 from llm_jax.inference.stops import StopText
 from llm_jax.inference.tokenizer import load_tokenizer
 from llm_jax.runtime.cli import ArgumentParser
-from llm_jax.runtime.malloc import use_preferred_malloc
 from llm_jax.weights.readers import load_pretrained
 
 
@@ -118,5 +122,4 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None,
 
 
 if __name__ == "__main__":
-    use_preferred_malloc()
     sys.exit(main())

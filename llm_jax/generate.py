@@ -18,10 +18,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from llm_jax.runtime.malloc import use_preferred_malloc
+
+if __name__ == "__main__":  # first: a restart under the preferred malloc re-imports nothing heavy
+    use_preferred_malloc()
+
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.text import TextStream, find_tokenizer, text_decoder
 from llm_jax.runtime.cli import ArgumentParser
-from llm_jax.runtime.malloc import use_preferred_malloc
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -106,5 +110,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    use_preferred_malloc()
     sys.exit(main())

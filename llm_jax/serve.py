@@ -17,11 +17,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from llm_jax.runtime.malloc import use_preferred_malloc
+
+if __name__ == "__main__":  # first: a restart under the preferred malloc re-imports nothing heavy
+    use_preferred_malloc()
+
 from llm_jax.inference.engine import Engine
 from llm_jax.inference.requests import EngineConfig
 from llm_jax.inference.tokenizer import load_tokenizer
 from llm_jax.runtime.cli import ArgumentParser
-from llm_jax.runtime.malloc import use_preferred_malloc
 from llm_jax.serving.app import Server, create_app
 from llm_jax.weights.readers import load_pretrained
 
@@ -82,5 +86,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    use_preferred_malloc()
     sys.exit(main())

@@ -9,13 +9,17 @@ from __future__ import annotations
 import os
 import sys
 
+from llm_jax.runtime.malloc import use_preferred_malloc
+
+if __name__ == "__main__":  # first: a restart under the preferred malloc re-imports nothing heavy
+    use_preferred_malloc()
+
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from llm_jax.parallel import distributed
 from llm_jax.runtime.cli import fail, parse_flags
-from llm_jax.runtime.malloc import use_preferred_malloc
 from llm_jax.training.loop import train
 from llm_jax.training.preemption import Interrupted
 from llm_jax.training.run_config import model_config, validate_run_config
@@ -68,5 +72,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    use_preferred_malloc()
     app.run(main, flags_parser=parse_flags(PROG))
