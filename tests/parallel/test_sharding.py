@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -125,47 +126,49 @@ def test_describe_lists_every_param_sharding_from_the_same_rules():
 # --------------------------------------------------------------------------- eight devices
 
 
-def _child(case: str, timeout: int = 400) -> dict:
+# Every eight-device case runs in ONE child process (a process launch and the JAX import cost
+# about as much as a case), as one test, so pytest-xdist cannot split the cases over two workers
+# and start the child twice. Each case's failure is reported under its own name.
+CASES = ("meshes", "expert_parallel", "vocab_split_loss", "packed_expert_parallel",
+         "sharded_decode", "bad_divisibility")
+
+
+def _children(timeout: int = 900) -> dict:
     env = {**os.environ, "XLA_FLAGS": EIGHT_DEVICES, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, __file__, case], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True,
                          text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def meshes_result():
-    return _child("meshes")
+def check_meshes(r: dict) -> None:
+    for mesh in MESHES:
+        m = r[",".join(map(str, mesh))]
+        np.testing.assert_allclose(m["losses"], r["reference"]["losses"], rtol=0, atol=1e-5,
+                                   err_msg=str(mesh))
+        assert m["max_param_diff"] < 1e-5, (mesh, m)
+        assert m["opt_state_sharded_like_params"], (mesh, m)
+        assert m["params_sharded"] == (mesh[0] != 8), (mesh, m)  # pure data parallel replicates
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
-def test_every_mesh_trains_exactly_like_one_device(meshes_result, mesh):
-    r = meshes_result[",".join(map(str, mesh))]
-    np.testing.assert_allclose(r["losses"], meshes_result["reference"]["losses"], rtol=0,
-                               atol=1e-5)
-    assert r["max_param_diff"] < 1e-5, r
-    assert r["opt_state_sharded_like_params"], r
-    assert r["params_sharded"] == (mesh[0] != 8), r  # pure data parallel replicates the weights
-
-
-def test_expert_parallel_moe_equals_single_device_moe():
-    r = _child("expert_parallel")
+def check_expert_parallel(r: dict) -> None:
+    """The expert-parallel MoE equals the single-device MoE (outputs and gradients)."""
     # megablox exchanges rows zero-padded to 128 lanes (moe_parallel.exchange_width), only it,
     # only over an expert axis: values and gradients as without the padding, to float32 rounding
     # (and only where the rows received outweigh the padded weights: 8 R >= 3 El F2 = 288)
     assert r.pop("width") == [128, 32, 32, 128, 32, 128], r
     assert r.pop("padding") < 1e-6, r
+    assert len(r) == 5, r
     for mesh, errs in r.items():
         assert errs["output"] < 1e-5 and errs["grads"] < 1e-5, (mesh, errs)
         assert errs["drop"] == 0.0, (mesh, errs)
 
 
-def test_loss_split_by_vocab_on_a_mesh_equals_one_device():
+def check_vocab_split_loss(r: dict) -> None:
     """The fused loss under a mesh with fsdp / expert / tensor axes splits the vocabulary over
     them (unembed_loss.vocab_split) and gathers each chunk's tokens: value, dh and dW equal one
     device's to float32 rounding (1e-5 relative to each array's largest entry); a mesh of
     data only splits by tokens, as before."""
-    r = _child("vocab_split_loss")
     assert r["fsdp=4,expert=2"]["split"] == "P(None, None, ('fsdp', 'expert'))", r
     assert r["data=2,fsdp=2,tensor=2"]["split"] == "P('data', None, ('tensor', 'fsdp'))", r
     assert r["data=8"]["split"] is None, r
@@ -174,32 +177,45 @@ def test_loss_split_by_vocab_on_a_mesh_equals_one_device():
         assert errs["sharded_in"], mesh
 
 
-def test_packed_mxfp4_experts_on_a_mesh_equal_the_dequantized_single_device_moe():
+def check_packed_expert_parallel(r: dict) -> None:
     # Packed stacks enter shard_map as blocks and scales split like the dense stack (experts on
     # `expert`, F on `tensor`) and are unpacked on the device that holds them.
-    r = _child("packed_expert_parallel")
     assert len(r) == 4, r
     for mesh, errs in r.items():
         assert errs["output"] < 1e-6 and errs["grads"] < 1e-6, (mesh, errs)
         assert errs["drop"] == 0.0, (mesh, errs)
 
 
-def test_decoding_with_a_sharded_cache_equals_one_device():
+def check_sharded_decode(r: dict) -> None:
     # Batch on data, kv heads on tensor: the keys' [B, K, H, S] and values' [B, K, S, H] caches
     # are constrained to their own logical specs every step; tokens and logits as unsharded.
-    r = _child("sharded_decode")
     assert len(r) == 2, r
     for mesh, errs in r.items():
         assert errs["same_tokens"], (mesh, errs)
         assert errs["logits"] < 1e-5, (mesh, errs)
 
 
-def test_dimension_not_divisible_by_its_mesh_axis_names_both_numbers():
-    r = _child("bad_divisibility")
+def check_bad_divisibility(r: dict) -> None:
+    """A dimension not divisible by its mesh axes is refused naming both numbers."""
     assert "has size 6, not divisible by mesh axes expert=4" in r["experts"], r
     assert "(experts)" in r["experts"], r
     assert "12 sequences per microbatch is not divisible" in r["batch"], r
     assert "data=8xfsdp=1xexpert=1 = 8" in r["batch"], r
+
+
+def test_eight_devices_compute_what_one_device_does():
+    """Every mesh trains exactly like one device; expert-parallel (dense and packed mxfp4)
+    MoE, the vocabulary-split loss and decoding with a sharded cache equal one device's; bad
+    divisibility is a clear error. All cases run in the one child; every failing case is
+    listed."""
+    results = _children()
+    failures = {}
+    for case in CASES:
+        try:
+            globals()[f"check_{case}"](results[case])
+        except AssertionError as e:
+            failures[case] = str(e)[-2000:]
+    assert not failures, failures
 
 
 # --------------------------------------------------------------------------- child cases
@@ -250,7 +266,7 @@ def case_expert_parallel() -> dict:
         return jax.value_and_grad(f_, argnums=(0, 1), has_aux=True)
 
     ref = jax.jit(loss(lambda x, r, w: (moe_dense(x, r, w, 7.0), 0.0)))(x, p)
-    out = {}
+    out, got = {}, {}
     # The local experts by lax.ragged_dot on three meshes, and by each Pallas kernel (interpret
     # mode) on one with every axis in play.
     runs = [(m, None) for m in ({"expert": 8}, {"data": 2, "tensor": 2, "expert": 2},
@@ -261,7 +277,8 @@ def case_expert_parallel() -> dict:
         fn = loss(lambda x, r, w, kernel=kernel: moe_expert_parallel(
             x, r, w, 7.0, 8.0, kernel=kernel, interpret=True))
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        (_, (y, drop)), grads = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
+        got[kernel] = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
+        (_, (y, drop)), grads = got[kernel]
         (_, (y_ref, _)), g_ref = ref
         out[f"{sizes} {kernel or 'ragged_dot'}"] = {
             "output": float(jnp.max(jnp.abs(y - y_ref)) / (1 + jnp.max(jnp.abs(y_ref)))),
@@ -282,9 +299,13 @@ def case_expert_parallel() -> dict:
     fn = loss(lambda x, r, w: moe_expert_parallel(x, r, w, 7.0, 8.0, kernel="megablox",
                                                   interpret=True))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    padded = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
+    padded = got["megablox"]  # the run above: this mesh, this kernel, rows padded to 128 lanes
+    padded_width = moe_parallel.exchange_width
     moe_parallel.exchange_width = lambda hidden, *_: hidden
-    plain = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
+    try:  # the later cases in this process exchange padded rows again
+        plain = jax.jit(sh.with_mesh(fn, mesh))(*jax.device_put((x, p), rep))
+    finally:
+        moe_parallel.exchange_width = padded_width
     out["padding"] = max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
                          for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(plain)))
     return out
@@ -416,4 +437,9 @@ def case_bad_divisibility() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(globals()[f"case_{sys.argv[1]}"]()))
+    out = {}
+    for case in sys.argv[1:]:
+        t0 = time.perf_counter()
+        out[case] = globals()[f"case_{case}"]()
+        print(f"{case}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(json.dumps(out))

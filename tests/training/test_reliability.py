@@ -288,7 +288,8 @@ def test_truncated_checkpoint_file_is_named_and_reader_falls_back(small_run, tmp
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_config_unknown_field_wrong_type_and_conflicts_are_named(corpus_dir, tmp_path):
+def test_config_unknown_field_wrong_type_and_conflicts_are_named(small_run, corpus_dir,
+                                                                 tmp_path):
     def bad(section, key, value):
         d = small_cfg(corpus_dir).to_dict()
         d[section][key] = value
@@ -311,18 +312,49 @@ def test_config_unknown_field_wrong_type_and_conflicts_are_named(corpus_dir, tmp
         with pytest.raises(ValueError, match=match):
             validate_run_config(cfg)
     # Refused before anything in the workdir is touched: its checkpoints stay.
-    workdir = str(tmp_path / "run")
-    train(small_cfg(corpus_dir, num_steps=4), workdir)
+    workdir = str(_copy(small_run, tmp_path))
     before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+    assert before == ["4", "8"]
     with pytest.raises(ValueError, match="every_steps=0"):
         train(bad("checkpoint", "every_steps", 0), workdir)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
 
 
+# The command line `python -m llm_jax.train` runs, once per argv in a child forked after the
+# imports (absl parses flags once per process): one start-up for every case, not one each.
+FORKED_CLI = """
+import json, os, sys
+from absl import app
+from llm_jax import train as cli
+from llm_jax.runtime.cli import parse_flags
+out = sys.argv[1]
+for i, argv in enumerate(json.loads(sys.argv[2])):
+    pid = os.fork()
+    if pid == 0:
+        err = os.open(os.path.join(out, f"{i}.err"), os.O_WRONLY | os.O_CREAT)
+        os.dup2(err, 2)
+        code = 0
+        try:
+            sys.argv = ["llm_jax.train", *argv]
+            app.run(cli.main, flags_parser=parse_flags(cli.PROG))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(status)))
+"""
+
+
 @pytest.mark.slow
-def test_cli_wrong_type_and_repeated_overrides_are_clear_errors(corpus_dir, tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for extra, message in [
+def test_cli_wrong_type_and_repeated_overrides_are_clear_errors(tmp_path):
+    cases = [
         (["--config.train.num_steps=abc"], "train.num_steps"),
         (["--config.train.num_steps=5", "--config.train.num_steps=6"],
          "--config.train.num_steps is given twice, as '5' and '6'"),
@@ -335,13 +367,20 @@ def test_cli_wrong_type_and_repeated_overrides_are_clear_errors(corpus_dir, tmp_
                                               "--config.execution.moe_dispatch=..."),
         (["--config.sft.on_bad_line=skp"], "sft.on_bad_line='skp' is invalid: expected one of "
                                            "['skip', 'stop']"),
-    ]:
-        cmd = [sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-               f"--workdir={tmp_path / 'run'}", *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
-        assert "Traceback" not in proc.stderr
-        assert proc.stderr.strip().splitlines()[-1].startswith("llm_jax.train: error: ")
+    ]
+    argvs = [["--config", str(ROOT / "configs/tiny.py"), f"--workdir={tmp_path / 'run'}", *extra]
+             for extra, _ in cases]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", FORKED_CLI, str(tmp_path), json.dumps(argvs)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = [json.loads(line) for line in proc.stdout.split()]
+    assert len(codes) == len(cases), proc.stdout
+    for i, ((extra, message), code) in enumerate(zip(cases, codes)):
+        stderr = (tmp_path / f"{i}.err").read_text()
+        assert code == 2 and message in stderr, (extra, code, stderr[-2000:])
+        assert "Traceback" not in stderr, stderr[-2000:]
+        assert stderr.strip().splitlines()[-1].startswith("llm_jax.train: error: "), stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
