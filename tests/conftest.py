@@ -76,20 +76,3 @@ def _release_compiled_programs():
         jax.clear_caches()
         gc.collect()
 
-
-# ----------------------------------------------------------------- the command lines' malloc
-
-@pytest.fixture(autouse=True, scope="session")
-def _start_command_lines_under_their_malloc():
-    """The command lines re-execute themselves with tcmalloc/mimalloc preloaded
-    (runtime.malloc.use_preferred_malloc), after their imports: every CLI a test starts paid two
-    start-ups (about 20 s of 40 s for a refused flag on a loaded machine). With the environment
-    they would re-execute with set here, they start once, under the same malloc. Set in the
-    process that runs the tests (a fixture, not at import): an xdist controller that set it
-    would start its workers, which are long-lived, under it too."""
-    from llm_jax.runtime.malloc import preload_env
-
-    env = preload_env(os.environ)
-    if env is not None:
-        os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
-    yield
