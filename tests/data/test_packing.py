@@ -7,6 +7,7 @@ import grain
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from llm_jax.config import ModelConfig
@@ -17,6 +18,7 @@ from llm_jax.model import init_model
 from llm_jax.training.step import eval_step
 
 T = 16
+ROWS = 16
 # Dense dispatch: each token's experts do not depend on the other tokens of the batch, as they
 # would through the capacity limit. A sliding window of 4 on alternate layers checks positions.
 SMALL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=64,
@@ -46,10 +48,17 @@ def _per_token_nll(model, inputs, targets, positions=None, segment_ids=None) -> 
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
+@pytest.fixture(scope="module")
+def model():
+    return init_model(SMALL, seed=0, execution=DENSE)
+
+
 def _alone(model, sequences: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     """Per-token losses of each (inputs, targets) as a batch row of its own, from position 0.
-    Rows are right-padded to T in one call: causal attention keeps the padding out of them."""
-    x, y = np.zeros((2, len(sequences), T), np.int32)
+    Rows are right-padded to T in one call of ROWS rows (one compiled program for every test):
+    causal attention keeps the padding out of them, and the rows do not see each other."""
+    assert len(sequences) <= ROWS
+    x, y = np.zeros((2, ROWS, T), np.int32)
     for i, (inputs, targets) in enumerate(sequences):
         x[i, :len(inputs)], y[i, :len(targets)] = inputs, targets
     nll = np.asarray(_per_token_nll(model, x, y))
@@ -64,10 +73,9 @@ def _segments(batch) -> list[tuple[int, np.ndarray]]:
     return out
 
 
-def test_a_document_has_the_same_per_token_losses_packed_or_alone():
+def test_a_document_has_the_same_per_token_losses_packed_or_alone(model):
     docs = _documents([5, 11, 3, 9, 20, 2, 7, 1])  # 21 tokens > T: at least one is split
     batch = _rows(docs)
-    model = init_model(SMALL, seed=0, execution=DENSE)
     packed = np.asarray(_per_token_nll(model, batch["inputs"], batch["targets"],
                                        batch["positions"], batch["segment_ids"]))
     sequences, whole = [], 0
@@ -83,11 +91,10 @@ def test_a_document_has_the_same_per_token_losses_packed_or_alone():
     assert (batch["segment_ids"] > 0).sum() == sum(len(d["targets"]) for d in docs)
 
 
-def test_eval_step_sums_each_document_once_and_ignores_padding():
+def test_eval_step_sums_each_document_once_and_ignores_padding(model):
     docs = _documents([6, 13, 4, 10])
     batch = _rows(docs)
     assert (batch["segment_ids"][-1] == 0).any()  # the last row ends in padding
-    model = init_model(SMALL, seed=1, execution=DENSE)
     graphdef, params = nnx.split(model, nnx.Param)
     out = jax.device_get(jax.jit(eval_step, static_argnames="graphdef")(
         params, batch, graphdef=graphdef))

@@ -9,6 +9,7 @@ Tolerance: max |logit diff| <= 1e-4 (float32 on both sides). Never relax it; fin
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -17,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -24,6 +26,7 @@ import pytest  # noqa: E402
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from flax import nnx  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
@@ -148,9 +151,16 @@ def ref(request, tmp_path_factory) -> Reference:
     return Reference(request.param, tmp_path_factory)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+
+
 def _ours(path, tokens: np.ndarray, **kw) -> np.ndarray:
+    """Our logits from the checkpoint at `path`, through one jitted forward: models loaded from
+    different layouts with the same config and dispatch share its compiled program."""
     model = load_pretrained(path, **kw)
-    return np.asarray(model(jnp.asarray(tokens, jnp.int32)))
+    return np.asarray(_forward(*nnx.split(model), jnp.asarray(tokens, jnp.int32)))
 
 
 def _check(label: str, ours: np.ndarray, want: np.ndarray) -> float:

@@ -7,7 +7,8 @@ reset after the child's imports and a warm-up load (/proc/self/clear_refs) and a
 memory went back to the system (malloc_trim: pages freed but still resident would otherwise
 be reused unseen), so the figure is the load's own.
 
-Run as a script (`python tests/weights/test_mxfp4_memory.py DIR FORMAT`) it is that child."""
+One child process measures every load in turn (LOADS), settling memory before each. Run as a
+script (`python tests/weights/test_mxfp4_memory.py DIR`) it is that child."""
 
 from __future__ import annotations
 
@@ -35,24 +36,38 @@ def _kib(field: str) -> int:
     raise KeyError(field)
 
 
-def child(root: Path, expert_format: str) -> None:
-    """Loads `root / "big"` (experts as stored, or `expert_format`) after a warm-up load of
-    `root / "warm"`; prints the load's peak RSS growth and the expert format it got, as JSON."""
+# The loads one child process measures, in this order: the control (dense) last, so that any
+# memory an earlier load left resident could only lower its figure, never pass it.
+LOADS = (("openai", "stored"), ("hf", "stored"), ("openai", "dense"))
+
+
+def child(root: Path) -> None:
+    """For each of LOADS: loads `root / layout / "big"` (experts as stored, or dense) after a
+    warm-up load of `root / layout / "warm"`; prints the load's peak RSS growth and the expert
+    format it got, as one JSON line per load."""
     import ctypes
     import gc
 
     from llm_jax import load_pretrained
 
-    overrides = {"expert_format": expert_format} if expert_format != "stored" else {}
-    load_pretrained(root / "warm", **overrides)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _kib("VmRSS")
-    model = load_pretrained(root / "big", **overrides)
-    peak = _kib("VmHWM")
-    print(json.dumps({"peak_growth": (peak - before) * 1024,
-                      "expert_format": model.cfg.expert_format}))
+    def settle() -> None:  # free memory back to the system, then VmHWM := VmRSS
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+
+    for layout, expert_format in LOADS:
+        overrides = {"expert_format": expert_format} if expert_format != "stored" else {}
+        warm = load_pretrained(root / layout / "warm", **overrides)
+        del warm
+        settle()
+        before = _kib("VmRSS")
+        model = load_pretrained(root / layout / "big", **overrides)
+        peak = _kib("VmHWM")
+        print(json.dumps({"layout": layout, "load": expert_format,
+                          "peak_growth": (peak - before) * 1024,
+                          "expert_format": model.cfg.expert_format}), flush=True)
+        del model
+        settle()
 
 
 def _can_reset_peak() -> bool:
@@ -63,45 +78,54 @@ def _can_reset_peak() -> bool:
         return False
 
 
-def _peak_growth(root: Path, layout: str, expert_format: str) -> dict:
-    from helpers import ROOT, write_mxfp4_checkpoint
-
-    from llm_jax import ModelConfig
-
-    write_mxfp4_checkpoint(root / "big", ModelConfig(**SHAPE), layout)
-    small = {**SHAPE, "hidden_size": 32, "intermediate_size": 32, "num_experts": 4}
-    write_mxfp4_checkpoint(root / "warm", ModelConfig(**small), layout)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, __file__, str(root), expert_format], capture_output=True,
-                       text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    print(f"\n{layout} {expert_format}: peak RSS growth of the load "
-          f"{out['peak_growth'] / 2**20:.0f} MiB; experts {PACKED_BYTES / 2**20:.0f} MiB packed, "
-          f"{DENSE_BYTES / 2**20:.0f} MiB dense")
-    return out
-
-
 needs_peak_reset = pytest.mark.skipif(
     not _can_reset_peak(), reason="needs Linux /proc/self/clear_refs (peak RSS reset) to "
                                   "measure one load's peak")
 
 
+@pytest.fixture(scope="module")
+def peak_growth(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """{(layout, "stored" or "dense"): the child's figures}, from one child process for all
+    LOADS (one interpreter start and import rather than one per load)."""
+    from helpers import ROOT, write_mxfp4_checkpoint
+
+    from llm_jax import ModelConfig
+
+    root = tmp_path_factory.mktemp("mxfp4_memory")
+    small = {**SHAPE, "hidden_size": 32, "intermediate_size": 32, "num_experts": 4}
+    for layout in sorted({layout for layout, _ in LOADS}):
+        write_mxfp4_checkpoint(root / layout / "big", ModelConfig(**SHAPE), layout)
+        write_mxfp4_checkpoint(root / layout / "warm", ModelConfig(**small), layout)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, __file__, str(root)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = {}
+    for line in r.stdout.strip().splitlines():
+        row = json.loads(line)
+        out[row["layout"], row["load"]] = row
+        print(f"\n{row['layout']} {row['load']}: peak RSS growth of the load "
+              f"{row['peak_growth'] / 2**20:.0f} MiB; experts {PACKED_BYTES / 2**20:.0f} MiB "
+              f"packed, {DENSE_BYTES / 2**20:.0f} MiB dense")
+    assert set(out) == set(LOADS)
+    return out
+
+
 @needs_peak_reset
 @pytest.mark.parametrize("layout", ["openai", "hf"])
-def test_loading_mxfp4_never_holds_the_dense_expert_stacks(layout, tmp_path):
-    out = _peak_growth(tmp_path, layout, "stored")
+def test_loading_mxfp4_never_holds_the_dense_expert_stacks(layout, peak_growth):
+    out = peak_growth[layout, "stored"]
     assert out["expert_format"] == "mxfp4"
     assert out["peak_growth"] >= PACKED_BYTES  # the measure sees the load: it holds the bytes
     assert out["peak_growth"] < DENSE_BYTES
 
 
 @needs_peak_reset
-def test_the_memory_cap_is_one_a_dense_load_exceeds(tmp_path):
-    out = _peak_growth(tmp_path, "openai", "dense")
+def test_the_memory_cap_is_one_a_dense_load_exceeds(peak_growth):
+    out = peak_growth["openai", "dense"]
     assert out["expert_format"] == "dense"
     assert out["peak_growth"] >= DENSE_BYTES
 
 
 if __name__ == "__main__":
-    child(Path(sys.argv[1]), sys.argv[2])
+    child(Path(sys.argv[1]))
