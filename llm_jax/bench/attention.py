@@ -38,6 +38,7 @@ import optax
 from flax import nnx
 
 from llm_jax.bench.common import alternate, machine, median, table
+from llm_jax.bench.train import quick_model_config
 from llm_jax.config import ModelConfig
 from llm_jax.model import attention as attention_module
 from llm_jax.model.attention_math import attend, attention_mask
@@ -186,8 +187,9 @@ def run(*, repeats: int = 3, quick: bool = False, seq_lens: tuple[int, ...] | No
         baseline: str | None = None) -> dict[str, Any]:
     cfg = ModelConfig()
     if quick:
-        seq_lens, block, q_block, repeats, seq_len = seq_lens or (64, 128), 32, 32, 1, 128
-        cfg = ModelConfig(vocab_size=256, num_experts=4, hidden_size=32, intermediate_size=32)
+        # One length of several blocks each way (block 32 over 128): blockwise's loop runs.
+        seq_lens, block, q_block, repeats, seq_len = seq_lens or (128,), 32, 32, 1, 128
+        cfg = quick_model_config()
     impls = {"current": blockwise_attend}
     if baseline:
         impls["baseline"] = load_baseline(baseline)

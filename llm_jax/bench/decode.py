@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm_jax.bench.common import Isolated, alternate, machine, median, table, torch_info
+from llm_jax.bench.common import alternate, contender, machine, median, table, torch_info
 from llm_jax.bench.train import hf_model, quick_model_config, tiny_run_config
 from llm_jax.config import ModelConfig
 from llm_jax.inference.loop import prefill
@@ -44,7 +44,7 @@ def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1,
     if quick:
         cfg, batches, prompt_len, new_tokens, repeats = quick_model_config(), (1,), 8, 256, 3
     r = bench(cfg, batches=batches, prompt_len=prompt_len, new_tokens=new_tokens,
-              repeats=repeats, hf=hf, mxfp4=mxfp4)
+              repeats=repeats, hf=hf, mxfp4=mxfp4, isolated=not quick)
     for row in r["decode"]:
         if MXFP4 in row:
             row["mxfp4_decode_ratio"] = (row[MXFP4]["decode_tokens_per_s"]
@@ -58,7 +58,8 @@ def run(*, repeats: int = 3, quick: bool = False, batches: tuple[int, ...] = (1,
 
 def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), prompt_len: int = 128,
           new_tokens: int = 256, repeats: int = 3, hf: bool = True, mxfp4: bool = False,
-          kv_contexts: Sequence[int] = (128, 512, 2048, 8192), seed: int = 0) -> dict[str, Any]:
+          kv_contexts: Sequence[int] = (128, 512, 2048, 8192), seed: int = 0,
+          isolated: bool = True) -> dict[str, Any]:
     """Prefill time and decode tokens/s (medians of `repeats`) for random weights of `cfg`
     (default: the tiny config), beside transformers' `generate` on the same weights; and the real
     cache's bytes against costs.kv_cache_bytes at several contexts.
@@ -66,7 +67,7 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
     Every contender (each side's prefill and whole generate call) runs in its own process, and
     all of a batch's contenders take turns, A B C D A B C D (`alternate`), so that the machine's
     drifting speed falls on both sides alike: decode tok/s is B (new_tokens - 1) / (median
-    generate - median prefill)."""
+    generate - median prefill). `isolated=False` (--quick) runs them all in this process."""
     cfg = cfg or ModelConfig()
     rng = np.random.default_rng(seed)
     sides = {"llm_jax": _jax_contender, **({"transformers": _hf_contender} if hf else {}),
@@ -74,8 +75,8 @@ def bench(cfg: ModelConfig | None = None, *, batches: Sequence[int] = (1, 8), pr
     rows = []
     for b in batches:
         prompts = rng.integers(4, cfg.vocab_size, (b, prompt_len)).astype(np.int32)
-        fns = {(side, what): Isolated(functools.partial(make, cfg, seed, prompts, new_tokens,
-                                                        what))
+        fns = {(side, what): contender(functools.partial(make, cfg, seed, prompts, new_tokens,
+                                                         what), isolated=isolated)
                for side, make in sides.items() for what in ("prefill", "generate")}
         try:
             times = alternate(fns, repeats=repeats)

@@ -29,7 +29,7 @@ def run(*, repeats: int, quick: bool, steps: int, shape: tuple[int, int],
     run_cfg = tiny_run_config()
     run_cfg.execution.moe_dispatch = "blocked"
     cfg = quick_model_config() if quick else model_config(run_cfg)
-    batch_size, seq_len = (2, 32) if quick else shape
+    batch_size, seq_len = (2, 16) if quick else shape
     steps, repeats = (1, 1) if quick else (steps, repeats)
     batch = random_batch(cfg.vocab_size, batch_size, seq_len)
     trainers = {}

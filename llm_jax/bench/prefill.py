@@ -5,7 +5,8 @@
 configs/tiny.py's model with random weights and `sliding_window` set (even layers slide), batch 1,
 the jitted `inference.loop.prefill` into a cache of prompt + 16 slots. Each length runs in its
 own Python process, so its peak resident memory (`ru_maxrss`, the Python runtime, JAX and the
-compiled program included) is that length's alone.
+compiled program included) is that length's alone. (--quick: one short prompt through the
+benchmarks' tiny test model, `train.quick_model_config`.)
 """
 
 from __future__ import annotations
@@ -21,19 +22,20 @@ from typing import Any
 from llm_jax.bench.common import machine, table
 
 
-def _child(prompt_len: int, window: int, repeats: int) -> dict[str, Any]:
+def _child(prompt_len: int, window: int, repeats: int, quick: int = 0) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from llm_jax.bench.train import tiny_run_config
+    from llm_jax.bench.train import quick_model_config, tiny_run_config
     from llm_jax.inference.loop import prefill
     from llm_jax.model import init_model
     from llm_jax.model.kv_cache import init_cache
     from llm_jax.training.run_config import model_config
 
-    cfg = model_config(tiny_run_config()).replace(sliding_window=window)
+    cfg = (quick_model_config() if quick else model_config(tiny_run_config())).replace(
+        sliding_window=window)
     graphdef, state = nnx.split(init_model(cfg, 0))
     run = jax.jit(lambda s, t, n: prefill(nnx.merge(graphdef, s), t, n,
                                           init_cache(cfg, 1, prompt_len + 16))[0])
@@ -60,7 +62,8 @@ def run(*, prompt_lens: tuple[int, ...] = (8192, 32768), window: int = 128, repe
     rows = []
     for t in prompt_lens:
         out = subprocess.run([sys.executable, "-m", "llm_jax.bench.prefill", "--child", str(t),
-                              str(window), str(repeats)], capture_output=True, text=True)
+                              str(window), str(repeats), str(int(quick))],
+                             capture_output=True, text=True)
         if out.returncode:
             rows.append({"prompt_len": t, "window": window,
                          "error": out.stderr.strip().splitlines()[-1:]})
@@ -89,4 +92,4 @@ def from_args(a: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
-    print(json.dumps(_child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))
+    print(json.dumps(_child(*(int(x) for x in sys.argv[2:6]))))

@@ -175,8 +175,9 @@ def run(*, repeats: int = 3, quick: bool = False, requests: int = 32, new_tokens
         min_prompt: int = 16, max_prompt: int = 256, seed: int = 0) -> dict[str, Any]:
     cfg = model_config(tiny_run_config())
     if quick:
+        # Prompts of one compile bucket (16, as the latency probe's): one prefill program.
         cfg, requests, new_tokens, min_prompt, max_prompt, repeats = (
-            quick_model_config(), 4, 16, 4, 24, 1)
+            quick_model_config(), 4, 16, 4, 16, 1)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(4, cfg.vocab_size, int(n)).tolist()
                for n in rng.integers(min_prompt, max_prompt + 1, requests)]
@@ -191,7 +192,7 @@ def run(*, repeats: int = 3, quick: bool = False, requests: int = 32, new_tokens
             asyncio.run(_load(url, prompts, new_tokens))  # compiles every prompt bucket
             loads = [asyncio.run(_load(url, prompts, new_tokens)) for _ in range(repeats)]
             latency = asyncio.run(_latency(url, short, prompts[:requests - 1], new_tokens,
-                                           tries=max(11, repeats)))
+                                           tries=3 if quick else max(11, repeats)))
         finally:
             proc.terminate()
             proc.wait(60)

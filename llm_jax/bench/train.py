@@ -8,8 +8,8 @@ GptOssForCausalLM, eager attention) and take the same batch of random tokens. ll
 dtype=bfloat16 with float32 weights; transformers bf16 is float32 weights under
 torch.autocast("cpu", dtype=torch.bfloat16). One timed call = `steps` optimizer steps; the two
 sides alternate A B A B for `repeats` calls after one warm-up call each, each side in its own
-process (`common.Isolated`: in one process the two runtimes slow each other down); medians are
-reported.
+process (`common.Isolated`: in one process the two runtimes slow each other down; --quick keeps
+both in this one); medians are reported.
 MFU = tokens/s x costs.flops_per_token / the machine's cached matmul peak of the compute
 dtype (`llm_jax.runtime.peak.peak_flops`; its source is printed and in the JSON).
 """
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llm_jax.bench.common import Isolated, alternate, machine, median, table, torch_info
+from llm_jax.bench.common import alternate, contender, machine, median, table, torch_info
 from llm_jax.config import ModelConfig
 from llm_jax.execution import ExecutionConfig
 from llm_jax.model.costs import flops_per_token
@@ -193,11 +193,13 @@ def run(*, repeats: int = 5, steps: int = 2, quick: bool = False,
             tc = run_cfg.train.copy_and_resolve_references()
             tc.batch_size, tc.grad_accum_steps = b, 1
             # Each side in its own process, the same weights (hf_model exports llm_jax's init).
-            fns = {"llm_jax": Isolated(functools.partial(jax_contender, cfg, tc, batch, steps,
-                                                         execution))}
+            # (--quick: both in this process, see `common.InProcess`.)
+            fns = {"llm_jax": contender(functools.partial(jax_contender, cfg, tc, batch, steps,
+                                                          execution), isolated=not quick)}
             if hf:
-                fns["transformers"] = Isolated(functools.partial(
-                    torch_contender, base, tc, batch, steps, dtype == "bfloat16"))
+                fns["transformers"] = contender(functools.partial(
+                    torch_contender, base, tc, batch, steps, dtype == "bfloat16"),
+                    isolated=not quick)
             try:
                 times = alternate(fns, repeats=repeats)
             finally:
