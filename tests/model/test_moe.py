@@ -182,9 +182,9 @@ def test_capacity_path_drops_overflow_and_reports_the_rate():
     x = jnp.broadcast_to(jax.random.normal(jax.random.key(6), (CFG.hidden_size,)), (16, CFG.hidden_size))
     r = route(x, w["router"], w["router_bias"], 2)
     ew = ExpertWeights(w["w1"], w["b1"], w["w2"], w["b2"])
-    y, drop = moe_capacity(x, r, ew, 7.0, num_slots=4)
+    y, drop = jax.jit(moe_capacity, static_argnums=(3, 4))(x, r, ew, 7.0, 4)
     assert float(drop) == pytest.approx(1 - 8 / 32)  # 2 experts x 4 slots kept of 32 assignments
-    full = moe_dense(x, r, ew, 7.0)
+    full = jax.jit(moe_dense, static_argnums=3)(x, r, ew, 7.0)
     np.testing.assert_allclose(y[:4], full[:4], rtol=1e-5, atol=1e-5)  # first 4 tokens fit
     np.testing.assert_array_equal(y[4:], 0.0)  # the rest were dropped by both experts
 
@@ -195,12 +195,15 @@ def test_dropping_dispatches_run_only_in_training_and_the_rest_is_exact():
     x = np.broadcast_to(np.random.default_rng(8).normal(size=CFG.hidden_size), (1, 16, CFG.hidden_size))
     ref = numpy_moe(x[0], w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"], w["b2"],
                     CFG.experts_per_token, CFG.swiglu_limit)
+    graphdef, state = nnx.split(_moe_module(CFG, w))
     for dispatch in ("capacity", "expert_parallel"):
         ex = ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=0.5)
-        moe = _moe_module(CFG, w)
-        y_train, aux_train = moe(jnp.asarray(x, jnp.float32), train=True, execution=ex)
+        run = jax.jit(lambda x, s, train, ex=ex: nnx.merge(graphdef, s)(x, train=train,
+                                                                        execution=ex),
+                      static_argnums=2)
+        _, aux_train = run(jnp.asarray(x, jnp.float32), state, True)
         assert float(aux_train.drop_fraction) >= 0.5  # capacity 0.875, expert_parallel 0.5
-        y, aux = moe(jnp.asarray(x, jnp.float32), execution=ex)
+        y, aux = run(jnp.asarray(x, jnp.float32), state, False)
         assert float(aux.drop_fraction) == 0.0
         np.testing.assert_allclose(y[0], ref, rtol=1e-4, atol=1e-4)
     assert select_dispatch(CFG, ExecutionConfig(moe_dispatch="capacity"), 64, train=False) \
