@@ -81,67 +81,70 @@ NO_DROP = ExecutionConfig(moe_capacity_factor=CFG.num_experts / CFG.experts_per_
 ALL = sorted(DISPATCHES)
 
 
-@pytest.mark.parametrize("dispatch", ALL + ["auto"])
-def test_moe_layer_with_each_dispatch_matches_numpy_loop_reference(dispatch):
-    cfg, ex = CFG, NO_DROP.replace(moe_dispatch=dispatch)
-    w = _weights(cfg, scale=4.0)
-    x = np.random.default_rng(1).normal(size=(3, 10, cfg.hidden_size))
-    # Some SwiGLU inputs are past the clamp, so the clamp is exercised.
+PARAM_OF = {"router": "router", "router_bias": "router_bias", "gate_up_proj": "w1",
+            "gate_up_proj_bias": "b1", "down_proj": "w2", "down_proj_bias": "b2"}
+TILE = (256, 128, 384)  # not the default: the config's megablox tiles must reach the kernel
+
+
+@pytest.fixture(scope="module")
+def loop_reference():
+    """3 x 10 tokens and weights scaled so that the SwiGLU clamps are in play; the NumPy loop's
+    outputs, and the JAX loop's loss and gradients (input and every weight) under a cotangent."""
+    w = _weights(CFG, scale=4.0)
+    x = np.random.default_rng(1).normal(size=(3, 10, CFG.hidden_size))
     h = np.einsum("td,edf->tef", x.reshape(30, -1), w["w1"]) + w["b1"][None]
     assert (h[..., 0::2] > 7).any() and (h[..., 1::2] < -7).any()
-    moe = _moe_module(cfg, w)
-    y, aux = moe(jnp.asarray(x, jnp.float32), train=True, execution=ex)
-    ref = numpy_moe(x.reshape(30, -1), w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"],
-                    w["b2"], cfg.experts_per_token, cfg.swiglu_limit).reshape(x.shape)
-    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
-    assert float(aux.drop_fraction) == 0.0
-
-
-@pytest.mark.parametrize("dispatch", ALL)
-def test_each_dispatch_outputs_and_gradients_match_the_loop_reference_directly(dispatch):
-    w = {k: jnp.asarray(v, jnp.float32) for k, v in _weights(CFG, seed=2, scale=3.0).items()}
-    x = jax.random.normal(jax.random.key(3), (24, CFG.hidden_size))
-    ct = jax.random.normal(jax.random.key(4), (24, CFG.hidden_size))
+    ct = np.random.default_rng(4).normal(size=x.shape)
     k, lim = CFG.experts_per_token, CFG.swiglu_limit
-
-    def loss_ref(x, p):
-        return jnp.sum(jax_loop_moe(x, p, k, lim) * ct)
-
-    def loss(x, p):
-        r = route(x, p["router"], p["router_bias"], k)
-        ew = ExpertWeights(p["w1"], p["b1"], p["w2"], p["b2"])
-        y, drop = DISPATCHES[dispatch].fn(x, r, ew, CFG, NO_DROP)
-        return jnp.sum(y * ct), drop
-
-    (l_ref, g_ref) = jax.value_and_grad(loss_ref, argnums=(0, 1))(x, w)
-    (l, drop), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
-    assert float(drop) == 0.0
-    np.testing.assert_allclose(l, l_ref, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    y_ref = numpy_moe(x.reshape(30, -1), w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"],
+                      w["b2"], k, lim).reshape(x.shape)
+    ct_TD = jnp.asarray(ct.reshape(30, -1), jnp.float32)
+    l_ref, (gx_ref, gw_ref) = jax.jit(jax.value_and_grad(
+        lambda x, p: jnp.sum(jax_loop_moe(x, p, k, lim) * ct_TD), argnums=(0, 1)))(
+        jnp.asarray(x.reshape(30, -1), jnp.float32),
+        {key: jnp.asarray(v, jnp.float32) for key, v in w.items()})
+    return w, x, ct, y_ref, l_ref, np.asarray(gx_ref).reshape(x.shape), gw_ref
 
 
-@pytest.mark.parametrize("dispatch", ["gmm", "expert_parallel_gmm"])
-def test_the_configs_megablox_tiles_reach_the_kernel(dispatch, monkeypatch):
+@pytest.mark.parametrize("dispatch", ALL + ["auto"])
+def test_moe_layer_with_each_dispatch_matches_the_loop_references(dispatch, loop_reference,
+                                                                  monkeypatch):
+    """The layer in training with each dispatch (nothing dropped): outputs against the NumPy loop,
+    loss and gradients (input and every weight) against the JAX loop; for the kernel
+    dispatches, the config's megablox tiles are the ones the kernel gets."""
     import llm_jax.model.moe_parallel as moe_parallel
 
+    w, x, ct, y_ref, l_ref, gx_ref, gw_ref = loop_reference
+    ex = NO_DROP.replace(moe_dispatch=dispatch)
     seen = []
-    real = moe_parallel.grouped_matmul
+    if dispatch in ("gmm", "expert_parallel_gmm"):
+        real = moe_parallel.grouped_matmul
 
-    def spy(*args, tile, **kwargs):
-        seen.append(tile)
-        return real(*args, tile=tile, **kwargs)
+        def spy(*args, tile, **kwargs):
+            seen.append(tile)
+            return real(*args, tile=tile, **kwargs)
 
-    monkeypatch.setattr(moe_parallel, "grouped_matmul", spy)
-    cfg = CFG
-    ex = NO_DROP.replace(moe_dispatch=dispatch, gmm_tile_m=256, gmm_tile_k=128, gmm_tile_n=384)
-    w = _weights(cfg)
-    x = np.random.default_rng(1).normal(size=(2, 8, cfg.hidden_size))
-    y, _ = _moe_module(cfg, w)(jnp.asarray(x, jnp.float32), train=True, execution=ex)
-    assert seen and set(seen) == {(256, 128, 384)}
-    ref = numpy_moe(x.reshape(16, -1), w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"],
-                    w["b2"], cfg.experts_per_token, cfg.swiglu_limit).reshape(x.shape)
-    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+        monkeypatch.setattr(moe_parallel, "grouped_matmul", spy)
+        ex = ex.replace(gmm_tile_m=TILE[0], gmm_tile_k=TILE[1], gmm_tile_n=TILE[2])
+    graphdef, state = nnx.split(_moe_module(CFG, w))
+    ct = jnp.asarray(ct, jnp.float32)
+
+    def loss(x, state):
+        y, aux = nnx.merge(graphdef, state)(x, train=True, execution=ex)
+        return jnp.sum(y * ct), (y, aux.drop_fraction)
+
+    (l, (y, drop)), (gx, gs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(x, jnp.float32), state)
+    assert float(drop) == 0.0
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-5)
+    grads = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(gs)}
+    assert sorted(grads) == sorted(PARAM_OF)
+    for name, key in PARAM_OF.items():
+        np.testing.assert_allclose(grads[name], gw_ref[key], rtol=1e-4, atol=1e-5, err_msg=name)
+    if dispatch in ("gmm", "expert_parallel_gmm"):
+        assert seen and set(seen) == {TILE}
 
 
 @pytest.mark.parametrize("dispatch", ["gmm", "expert_parallel_gmm", "expert_parallel"])
@@ -165,8 +168,8 @@ def test_sorted_dispatches_with_the_gate_up_stack_blocked_match_the_loop_referen
                                        CFG, NO_DROP)
         return jnp.sum(y * ct)
 
-    l_ref, g_ref = jax.value_and_grad(lambda x, p: jnp.sum(jax_loop_moe(x, p, k, lim) * ct),
-                                      argnums=(0, 1))(x, w)
+    l_ref, g_ref = jax.jit(jax.value_and_grad(
+        lambda x, p: jnp.sum(jax_loop_moe(x, p, k, lim) * ct), argnums=(0, 1)))(x, w)
     l, g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
     np.testing.assert_allclose(l, l_ref, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
@@ -179,9 +182,9 @@ def test_capacity_path_drops_overflow_and_reports_the_rate():
     x = jnp.broadcast_to(jax.random.normal(jax.random.key(6), (CFG.hidden_size,)), (16, CFG.hidden_size))
     r = route(x, w["router"], w["router_bias"], 2)
     ew = ExpertWeights(w["w1"], w["b1"], w["w2"], w["b2"])
-    y, drop = moe_capacity(x, r, ew, 7.0, num_slots=4)
+    y, drop = jax.jit(moe_capacity, static_argnums=(3, 4))(x, r, ew, 7.0, 4)
     assert float(drop) == pytest.approx(1 - 8 / 32)  # 2 experts x 4 slots kept of 32 assignments
-    full = moe_dense(x, r, ew, 7.0)
+    full = jax.jit(moe_dense, static_argnums=3)(x, r, ew, 7.0)
     np.testing.assert_allclose(y[:4], full[:4], rtol=1e-5, atol=1e-5)  # first 4 tokens fit
     np.testing.assert_array_equal(y[4:], 0.0)  # the rest were dropped by both experts
 
@@ -192,12 +195,15 @@ def test_dropping_dispatches_run_only_in_training_and_the_rest_is_exact():
     x = np.broadcast_to(np.random.default_rng(8).normal(size=CFG.hidden_size), (1, 16, CFG.hidden_size))
     ref = numpy_moe(x[0], w["router"], w["router_bias"], w["w1"], w["b1"], w["w2"], w["b2"],
                     CFG.experts_per_token, CFG.swiglu_limit)
+    graphdef, state = nnx.split(_moe_module(CFG, w))
     for dispatch in ("capacity", "expert_parallel"):
         ex = ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=0.5)
-        moe = _moe_module(CFG, w)
-        y_train, aux_train = moe(jnp.asarray(x, jnp.float32), train=True, execution=ex)
+        run = jax.jit(lambda x, s, train, ex=ex: nnx.merge(graphdef, s)(x, train=train,
+                                                                        execution=ex),
+                      static_argnums=2)
+        _, aux_train = run(jnp.asarray(x, jnp.float32), state, True)
         assert float(aux_train.drop_fraction) >= 0.5  # capacity 0.875, expert_parallel 0.5
-        y, aux = moe(jnp.asarray(x, jnp.float32), execution=ex)
+        y, aux = run(jnp.asarray(x, jnp.float32), state, False)
         assert float(aux.drop_fraction) == 0.0
         np.testing.assert_allclose(y[0], ref, rtol=1e-4, atol=1e-4)
     assert select_dispatch(CFG, ExecutionConfig(moe_dispatch="capacity"), 64, train=False) \

@@ -39,18 +39,30 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def full_logits_reference():
+    """{masked: (inputs, weights, the full-logits loss and its gradients)}, each computed once."""
+    h, w, tg, mask = _inputs()
+    out = {}
+    for masked in (True, False):
+        weights = mask if masked else jnp.ones_like(mask)
+        with jax.default_matmul_precision("highest"):
+            ref = jax.jit(jax.value_and_grad(_reference, argnums=(0, 1)))(h, w, tg, weights)
+        out[masked] = h, w, tg, weights, ref
+    return out
+
+
 # (chunk_tokens, group_chunks, masked). 37 steps of 3 sequences: chunk_tokens 16 -> 5 steps a
 # chunk, 8 chunks; 1 -> 37 one-step chunks. Groups: 3 of 8 chunks -> groups of 3, one chunk of
 # padding; 4 -> two groups of 4; 5 of 37 -> 8 groups of 5 (3 chunks of padding); 100 -> one group.
 @pytest.mark.parametrize("chunk_tokens, group_chunks, masked", [
     (1, 1, True), (16, 1, False), (16, 1, True), (10_000, 1, True),  # 1 step, padded, 1 chunk
     (16, 3, True), (16, 4, False), (1, 5, True), (16, 100, True), (10_000, 4, True)])
-def test_values_and_gradients_match_full_logits(chunk_tokens, group_chunks, masked):
-    h, w, tg, mask = _inputs()
-    weights = mask if masked else jnp.ones_like(mask)
+def test_values_and_gradients_match_full_logits(chunk_tokens, group_chunks, masked,
+                                                full_logits_reference):
+    h, w, tg, weights, (ref_v, ref_g) = full_logits_reference[masked]
     fused = _fused(chunk_tokens, group_chunks)
     with jax.default_matmul_precision("highest"):
-        ref_v, ref_g = jax.value_and_grad(_reference, argnums=(0, 1))(h, w, tg, weights)
         v, g = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(h, w, tg, weights)
     _close(v, ref_v)
     _close(g[0], ref_g[0])
