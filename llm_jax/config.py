@@ -48,7 +48,9 @@ def yarn_correction_range(cfg: "ModelConfig") -> tuple[float, float]:
     return low, high
 
 
-def _field(default: Any, doc: str) -> Any:
+def doc_field(default: Any, doc: str) -> Any:
+    """A config field with its documentation (`field_doc` reads it; describe and docs/config.md
+    print it)."""
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 
@@ -57,55 +59,88 @@ def field_doc(cls: type, name: str) -> str:
     return {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)}[name]
 
 
+class FrozenConfig:
+    """Dict and JSON round trips and `replace` for the frozen config dataclasses (ModelConfig,
+    execution.ExecutionConfig)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Any:
+        """Builds a config from a mapping; unknown keys are refused by name."""
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields are "
+                             f"{sorted(known)}")
+        for f in dataclasses.fields(cls):  # JSON has no int/float distinction for floats
+            if f.name in d and f.type == "float" and isinstance(d[f.name], int) \
+                    and not isinstance(d[f.name], bool):
+                d[f.name] = float(d[f.name])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> Any:
+        return cls.from_dict(json.loads(s))
+
+    def replace(self, **changes: Any) -> Any:
+        return dataclasses.replace(self, **changes)
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(FrozenConfig):
     """The gpt-oss network's design decisions. Defaults are the book's tiny model."""
 
-    num_hidden_layers: int = _field(4, "depth: levels of abstraction, one attend-then-think "
-                                    "round each; params and FLOPs grow linearly")
-    num_experts: int = _field(16, "experts per MoE layer: stored knowledge; params grow with E, "
-                              "FLOPs per token do not")
-    experts_per_token: int = _field(2, "top-k experts each token uses: active compute; FLOPs "
-                                    "grow with k")
-    vocab_size: int = _field(8000, "granularity of the tokenizer: larger = fewer tokens per "
-                             "text, but two V x D tables and a V-wide softmax")
-    hidden_size: int = _field(256, "resolution of the residual stream: the width every layer "
-                              "reads and writes")
-    intermediate_size: int = _field(256, "scratch paper: width of each expert's SwiGLU hidden "
-                                    "layer")
-    head_dim: int = _field(64, "width of one attention head's query-key comparison (RoPE "
-                           "rotates its pairs)")
-    num_attention_heads: int = _field(4, "query heads: how many things a token looks for at "
-                                      "once")
-    num_key_value_heads: int = _field(2, "kv heads shared by groups of query heads (GQA): sets "
-                                      "the KV-cache size")
-    sliding_window: int = _field(0, "keys an even layer sees (0 = every layer full): caps that "
-                                 "layer's attention cost and cache at W")
-    initial_context_length: int = _field(4096, "context of pre-training (L0): the view, and "
-                                         "YaRN's reference length")
-    rope_theta: float = _field(10000.0, "RoPE base: the slowest rotation, how far apart "
-                               "positions stay distinguishable")
-    rope_scaling_factor: float = _field(32.0, "YaRN extension: usable context = L0 x factor "
-                                        "(1 = plain RoPE); the KV memory bill grows with it")
-    rope_ntk_alpha: float = _field(1.0, "YaRN beta_slow: dimensions turning fewer times than "
-                                   "this over L0 are fully interpolated")
-    rope_ntk_beta: float = _field(32.0, "YaRN beta_fast: dimensions turning more times than "
-                                  "this over L0 are left as they are")
-    swiglu_limit: float = _field(7.0, "clamp on the experts' SwiGLU inputs: keeps activations "
-                                 "bounded")
-    dtype: str = _field("float32", "compute dtype of matmuls and activations: sets activation "
-                        "and KV-cache bytes")
-    param_dtype: str = _field("float32", "storage dtype of weights (norms, sinks, router stay "
-                              "float32): sets params and grads bytes")
-    expert_format: str = _field("dense", "how the expert stacks are held: dense (param_dtype) "
-                                "or mxfp4 (packed as gpt-oss ships them, 4.25 bits a value, "
-                                "frozen: QLoRA; unpacked inside each dispatch)")
-    norm_type: str = _field("rms", "rms (gpt-oss) or layer (LayerNorm, only to compare against)")
-    prms_fraction: float = _field(0.0, "pRMSNorm: estimate the RMS from this fraction of "
-                                  "features (0 = full RMSNorm)")
-    initializer_range: float = _field(0.02, "std of the normal initialiser (output projections "
-                                      "/ sqrt(2L))")
+    num_hidden_layers: int = doc_field(4, "depth: levels of abstraction, one attend-then-think "
+                                       "round each; params and FLOPs grow linearly")
+    num_experts: int = doc_field(16, "experts per MoE layer: stored knowledge; params grow with E, "
+                                 "FLOPs per token do not")
+    experts_per_token: int = doc_field(2, "top-k experts each token uses: active compute; FLOPs "
+                                       "grow with k")
+    vocab_size: int = doc_field(8000, "granularity of the tokenizer: larger = fewer tokens per "
+                                "text, but two V x D tables and a V-wide softmax")
+    hidden_size: int = doc_field(256, "resolution of the residual stream: the width every layer "
+                                 "reads and writes")
+    intermediate_size: int = doc_field(256, "scratch paper: width of each expert's SwiGLU hidden "
+                                       "layer")
+    head_dim: int = doc_field(64, "width of one attention head's query-key comparison (RoPE "
+                              "rotates its pairs)")
+    num_attention_heads: int = doc_field(4, "query heads: how many things a token looks for at "
+                                         "once")
+    num_key_value_heads: int = doc_field(2, "kv heads shared by groups of query heads (GQA): sets "
+                                         "the KV-cache size")
+    sliding_window: int = doc_field(0, "keys an even layer sees (0 = every layer full): caps that "
+                                    "layer's attention cost and cache at W")
+    initial_context_length: int = doc_field(4096, "context of pre-training (L0): the view, and "
+                                            "YaRN's reference length")
+    rope_theta: float = doc_field(10000.0, "RoPE base: the slowest rotation, how far apart "
+                                  "positions stay distinguishable")
+    rope_scaling_factor: float = doc_field(32.0, "YaRN extension: usable context = L0 x factor "
+                                           "(1 = plain RoPE); the KV memory bill grows with it")
+    rope_ntk_alpha: float = doc_field(1.0, "YaRN beta_slow: dimensions turning fewer times than "
+                                      "this over L0 are fully interpolated")
+    rope_ntk_beta: float = doc_field(32.0, "YaRN beta_fast: dimensions turning more times than "
+                                     "this over L0 are left as they are")
+    swiglu_limit: float = doc_field(7.0, "clamp on the experts' SwiGLU inputs: keeps activations "
+                                    "bounded")
+    dtype: str = doc_field("float32", "compute dtype of matmuls and activations: sets activation "
+                           "and KV-cache bytes")
+    param_dtype: str = doc_field("float32", "storage dtype of weights (norms, sinks, router stay "
+                                 "float32): sets params and grads bytes")
+    expert_format: str = doc_field("dense", "how the expert stacks are held: dense (param_dtype) "
+                                   "or mxfp4 (packed as gpt-oss ships them, 4.25 bits a value, "
+                                   "frozen: QLoRA; unpacked inside each dispatch)")
+    norm_type: str = doc_field("rms", "rms (gpt-oss) or layer (LayerNorm, only to compare against)")
+    prms_fraction: float = doc_field(0.0, "pRMSNorm: estimate the RMS from this fraction of "
+                                     "features (0 = full RMSNorm)")
+    initializer_range: float = doc_field(0.02, "std of the normal initialiser (output projections "
+                                         "/ sqrt(2L))")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -205,34 +240,17 @@ class ModelConfig:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
     # ------------------------------------------------------------------ (de)serialisation
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         """Builds a config from a mapping; unknown keys are refused by name (an execution
         setting with the place it belongs)."""
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
         moved = sorted(set(d) & set(LEGACY_EXECUTION_FIELDS))
         if moved:
             raise ValueError(
                 f"ModelConfig: {moved} say how the model runs, not what it is: they are fields "
                 f"of ExecutionConfig (llm_jax.execution; config.execution.{moved[0]} in a run "
                 "config)")
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"ModelConfig: unknown field(s) {unknown}; known fields are {sorted(known)}"
-            )
-        for f in dataclasses.fields(cls):  # JSON has no int/float distinction for floats
-            if f.name in d and f.type == "float" and isinstance(d[f.name], int) \
-                    and not isinstance(d[f.name], bool):
-                d[f.name] = float(d[f.name])
-        return cls(**d)
+        return super().from_dict(d)
 
     @classmethod
     def from_saved(cls, d: Mapping[str, Any]) -> "ModelConfig":
@@ -240,10 +258,3 @@ class ModelConfig:
         adapter's base): `from_dict`, past the LEGACY_EXECUTION_FIELDS that checkpoints written
         before ExecutionConfig also stored there."""
         return cls.from_dict({k: v for k, v in d.items() if k not in LEGACY_EXECUTION_FIELDS})
-
-    @classmethod
-    def from_json(cls, s: str) -> "ModelConfig":
-        return cls.from_dict(json.loads(s))
-
-    def replace(self, **changes: Any) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)

@@ -1,5 +1,5 @@
 """Layers that point one way: command lines -> training / serving / evaluation -> inference /
-weights -> model / data -> kernels -> parallel -> runtime / config / execution. Read from the source (ast),
+weights -> model / data -> kernels -> parallel -> runtime / execution -> config. Read from the source (ast),
 so a new import cycle, an import up the layers or a private name taken from another module
 fails here, by name."""
 
@@ -16,7 +16,8 @@ PACKAGE = ROOT / "llm_jax"
 # A module may import its own package and the packages of lower rank, never one of equal or
 # higher rank. The command lines (llm_jax/*.py) and the benchmarks sit on top.
 RANKS = {
-    "config": 0, "execution": 0, "runtime": 0,
+    "config": 0, "runtime": 0,
+    "execution": 0.25,  # the ExecutionConfig, built on config's FrozenConfig
     "(package root)": 0.5,  # llm_jax/__init__.py: its public names, loaded lazily
     "parallel": 1,
     "kernels": 2,
