@@ -401,7 +401,10 @@ def _saved_activations(cfg: ModelConfig, execution: ExecutionConfig,
         return m.cross_entropy_sum(h, tokens) + aux.load_balancing_loss.mean() \
             + aux.router_z_loss.mean()
 
-    abstract = jax.sharding.AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES)
+    # Auto axes, as the train step's mesh (sharding.make_mesh): jax 0.12's default, Explicit,
+    # would make every sharding constraint an assertion.
+    abstract = jax.sharding.AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES,
+                                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     n = batch * seq_len
     with jax.sharding.use_abstract_mesh(abstract), compiling_for(platform):

@@ -138,11 +138,18 @@ def test_moe_layer_with_each_dispatch_matches_the_loop_references(dispatch, loop
     assert float(drop) == 0.0
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(l, l_ref, rtol=1e-5)
-    np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-5)
+    # Gradients to float32 rounding: 1e-4 relative, and 1e-6 of the array's largest entry for the
+    # entries near zero (the input gradient reaches ~40 here, where one float32 ulp is 4e-6, and
+    # jax 0.12 sums the same products in another order than 0.10).
+    def close(a, ref, **kw):
+        atol = 1e-6 * (1 + float(np.max(np.abs(ref))))
+        np.testing.assert_allclose(a, ref, rtol=1e-4, atol=max(atol, 1e-5), **kw)
+
+    close(gx, gx_ref)
     grads = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(gs)}
     assert sorted(grads) == sorted(PARAM_OF)
     for name, key in PARAM_OF.items():
-        np.testing.assert_allclose(grads[name], gw_ref[key], rtol=1e-4, atol=1e-5, err_msg=name)
+        close(grads[name], gw_ref[key], err_msg=name)
     if dispatch in ("gmm", "expert_parallel_gmm"):
         assert seen and set(seen) == {TILE}
 
