@@ -102,8 +102,11 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
-        """The chat template applied to `messages` (the special tokens are in the text)."""
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False,
+               **variables: Any) -> str:
+        """The chat template applied to `messages` (the special tokens are in the text);
+        `variables` are passed to the template (gpt-oss's reads `tools`, `reasoning_effort`)."""
         return self._template.render(messages=list(messages),
                                      add_generation_prompt=add_generation_prompt,
-                                     **{k: v for k, v in self.special.items() if v})
+                                     **{k: v for k, v in self.special.items() if v},
+                                     **variables)

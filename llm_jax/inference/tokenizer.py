@@ -6,6 +6,10 @@ Two kinds of checkpoint carry a tokenizer: a Hugging Face / OpenAI gpt-oss direc
 tokens from `tokenizer_config.json`'s eos_token and `generation_config.json`'s eos_token_id),
 and an llm_jax training workdir (sentencepiece `tokenizer.model` beside or above it; no chat
 template; EOS 3).
+
+A tokenizer.json whose vocabulary holds harmony's special tokens (gpt-oss's does) speaks
+harmony (`harmony` is set): its turns end at `<|return|>` or `<|call|>` as well, and without a
+chat template of its own its conversations render with `llm_jax.data.harmony`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from llm_jax.data import harmony
 from llm_jax.data.hf_tokenizer import (
     TEMPLATE_FILE,
     TOKENIZER_CONFIG,
@@ -39,27 +44,34 @@ def _json(path: Path) -> dict[str, Any]:
 
 class CheckpointTokenizer:
     """encode / decode / stop_ids / render(messages) for one checkpoint; `render` raises a
-    ValueError when the checkpoint has no chat template."""
+    ValueError when the checkpoint has neither a chat template nor harmony tokens."""
 
     def __init__(self, encode, decode, vocab_size: int, eos_id: int | None,
-                 bos_id: int | None, stop_ids: frozenset[int], template: HFTokenizer | None):
+                 bos_id: int | None, stop_ids: frozenset[int], template: HFTokenizer | None,
+                 harmony_tokens: harmony.HarmonyTokens | None = None):
         self._encode, self.decode = encode, decode
         self.vocab_size, self.eos_id, self.bos_id = vocab_size, eos_id, bos_id
-        self.stop_ids, self._template = stop_ids, template
+        self._template, self.harmony = template, harmony_tokens
+        self.stop_ids = stop_ids | (harmony_tokens.stops if harmony_tokens else frozenset())
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return self._template is not None or self.harmony is not None
 
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text))
 
-    def render(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The chat template over `messages`, ending where the assistant's reply starts."""
-        if self._template is None:
-            raise ValueError("this checkpoint has no chat template (chat_template.jinja or "
-                             "'chat_template' in tokenizer_config.json): use completions")
-        return self._template.render(messages, add_generation_prompt=True)
+    def render(self, messages: Sequence[dict[str, Any]], **options: Any) -> str:
+        """The conversation so far, ending where the assistant's reply starts: the checkpoint's
+        chat template (given `options` as template variables, e.g. gpt-oss's `tools` and
+        `reasoning_effort`), else harmony's renderer for a harmony checkpoint (the same
+        options: `llm_jax.data.harmony.render_conversation`)."""
+        if self._template is not None:
+            return self._template.render(messages, add_generation_prompt=True, **options)
+        if self.harmony is not None:
+            return harmony.render_conversation(messages, **options)
+        raise ValueError("this checkpoint has no chat template (chat_template.jinja or "
+                         "'chat_template' in tokenizer_config.json): use completions")
 
 
 def _from_hf(d: Path) -> CheckpointTokenizer:
@@ -84,7 +96,8 @@ def _from_hf(d: Path) -> CheckpointTokenizer:
         lambda text: tok.encode(text, add_special_tokens=False).ids,
         lambda ids: tok.decode(list(ids), skip_special_tokens=False),
         tok.get_vocab_size(with_added_tokens=True), eos, bos,
-        frozenset(i for i in stops if isinstance(i, int)), template)
+        frozenset(i for i in stops if isinstance(i, int)), template,
+        harmony.HarmonyTokens.find(tok.token_to_id))
 
 
 def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:
