@@ -76,3 +76,22 @@ def _release_compiled_programs():
         jax.clear_caches()
         gc.collect()
 
+
+
+@pytest.fixture(scope="session")
+def harmony_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny checkpoint that answers in harmony (helpers.make_harmony_checkpoint), trained once
+    per run: pytest-xdist's workers share it through their common temporary directory, the
+    first to arrive makes it under a file lock (xdist's documented pattern)."""
+    from filelock import FileLock
+    from helpers import make_harmony_checkpoint
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this run
+    d = root / "harmony_checkpoint"
+    with FileLock(str(d) + ".lock"):
+        if not (d / "config.json").is_file():
+            make_harmony_checkpoint(d.with_name(d.name + ".partial"))
+            (d.with_name(d.name + ".partial")).rename(d)
+    return d

@@ -200,3 +200,83 @@ def write_mxfp4_checkpoint(root: Path, cfg: ModelConfig, layout: str, seed: int 
         save_file(tensors, str(root / "model.safetensors"))
     (root / "config.json").write_text(json.dumps(config, indent=2))
     return tensors
+
+
+# ------------------------------------------- a checkpoint that speaks harmony (gpt-oss's format)
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Gets the current weather in a city.",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string", "description": "The city"}}}}}
+# What the harmony checkpoint learned: each conversation's last assistant message is what
+# greedy decoding reproduces after the conversation before it.
+HARMONY_CHATS = [
+    ({}, [{"role": "user", "content": "What is 2 + 2?"},
+          {"role": "assistant", "reasoning_content": "Simple sum: two and two.",
+           "content": "2 + 2 = 4."}]),
+    ({"tools": [WEATHER_TOOL]}, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "reasoning_content": "Need the weather tool.",
+         "tool_calls": [{"id": "call_0", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]),
+    ({"tools": [WEATHER_TOOL]}, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "reasoning_content": "Need the weather tool.",
+         "tool_calls": [{"id": "call_0", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": '{"temp": 20}'},
+        {"role": "assistant", "content": "It is 20 degrees in Paris. ☀"}]),
+    ({"reasoning_effort": "low"}, [{"role": "user", "content": "Say hi."},
+                                   {"role": "assistant", "reasoning_content": "Greet.",
+                                    "content": "Hi! 👋"}]),
+]
+HARMONY_MODEL = ModelConfig(
+    num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=512, hidden_size=64,
+    intermediate_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+    sliding_window=0)
+
+
+def make_harmony_checkpoint(d: Path, steps: int = 200) -> Path:
+    """A tiny model trained on HARMONY_CHATS until greedy decoding reproduces each reply
+    (reasoning, answer, tool call), with a byte-level BPE tokenizer holding harmony's special
+    tokens and no chat template (so it renders with llm_jax.data.harmony). Nothing downloaded."""
+    import optax
+    from flax import nnx
+
+    from llm_jax.data import harmony
+
+    d.mkdir(parents=True, exist_ok=True)
+    texts = [harmony.render_conversation(m, add_generation_prompt=False, **o)
+             for o, m in HARMONY_CHATS]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=HARMONY_MODEL.vocab_size, special_tokens=list(harmony.SPECIAL_TOKENS.values()),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    seqs = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    length = max(len(s) for s in seqs)
+    ids = np.zeros((len(seqs), length), np.int32)
+    mask = np.zeros((len(seqs), length - 1), np.float32)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+        mask[i, :len(s) - 1] = 1
+    model = init_model(HARMONY_MODEL, seed=0)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, ids, mask):
+        def loss(model):
+            logits = model(ids[:, :-1]).astype(jax.numpy.float32)
+            nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+            return (nll * mask).sum() / mask.sum()
+        value, grads = nnx.value_and_grad(loss)(model)
+        opt.update(model, grads)
+        return value
+
+    for _ in range(steps):
+        step(model, opt, ids, mask)
+    save_llm_jax(model, d)
+    return d
