@@ -348,6 +348,10 @@ class Parser:
         if kind == "start":
             self._role, self._header, self._state = None, [("role", [])], "header"
             return []
+        if kind in ("return_", "call"):  # the turn ends after a closed message
+            self.errors.append(f"{SPECIAL_TOKENS[kind]} after <|end|> instead of in its place")
+            self.done = True
+            return []
         self.errors.append("text between messages (kept as a message with no channel)")
         out = self._open(Message(role="assistant"))
         return out + self._in_content(token, kind)

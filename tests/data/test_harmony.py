@@ -128,6 +128,9 @@ def test_a_character_split_over_tokens_is_never_split_in_a_delta():
     ("<|channel|>analysis<|message|>think<|start|>assistant<|channel|>final<|message|>ok<|return|>",
      [("assistant", "analysis", None, None, "think", None),
       ("assistant", "final", None, None, "ok", "return")], "not closed before"),
+    # a stop token after a closed message ends the turn without an empty message
+    ("<|channel|>final<|message|>a<|end|><|return|>",
+     [("assistant", "final", None, None, "a", "end")], "after <|end|>"),
     # an unknown channel is kept by name
     ("<|channel|>secret<|message|>x<|end|>", [("assistant", "secret", None, None, "x", "end")],
      "unknown channel"),
