@@ -8,6 +8,11 @@ Expert e: `h = x W1_e + b1_e` (2F wide, gate and linear parts interleaved), clam
 `glu * sigmoid(1.702 glu) * (lin + 1)` with glu <= limit and |lin| <= limit, then `W2_e, b2_e`.
 How assignments reach the experts is `moe_dispatch.py`'s table; this module only routes and
 chooses from it.
+
+Routing replay (RL on an MoE): given the experts a token was routed to elsewhere (the sampler's
+forward), the layer uses them in place of its own top k; the gate weights are still the
+softmax of the router's logits at those experts, so the router keeps its gradient. Every
+dispatch gets it, since they all read the one `Routing`.
 """
 
 from __future__ import annotations
@@ -35,13 +40,20 @@ class MoEAux(NamedTuple):
     router_z_loss: jax.Array  # ST-MoE: mean logsumexp(logits)^2
     expert_load: jax.Array  # [E] f_e: fraction of assignments routed to each expert
     drop_fraction: jax.Array  # fraction of assignments dropped (the dropping dispatches in training; else 0)
+    experts: jax.Array  # [B, T, k] int32: the experts each token went to, best first (replayable)
 
 
-def route(x_TD: jax.Array, kernel_DE: jax.Array, bias_E: jax.Array, k: int) -> Routing:
+def route(x_TD: jax.Array, kernel_DE: jax.Array, bias_E: jax.Array, k: int,
+          experts_Tk: jax.Array | None = None) -> Routing:
+    """The router's top k, or the given `experts_Tk` (replay) with gates from these logits."""
     logits = jnp.einsum("TD,DE->TE", x_TD.astype(jnp.float32), kernel_DE.astype(jnp.float32))
     logits = logits + bias_E.astype(jnp.float32)
-    top_logits, experts = jax.lax.top_k(logits, k)
-    return Routing(logits, experts.astype(jnp.int32), jax.nn.softmax(top_logits, axis=-1))
+    if experts_Tk is None:
+        top_logits, experts_Tk = jax.lax.top_k(logits, k)
+    else:
+        chex.assert_shape(experts_Tk, (x_TD.shape[0], k))
+        top_logits = jnp.take_along_axis(logits, experts_Tk, axis=-1)
+    return Routing(logits, experts_Tk.astype(jnp.int32), jax.nn.softmax(top_logits, axis=-1))
 
 
 def router_aux(routing: Routing, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -93,16 +105,20 @@ class MoE(nnx.Module):
         )
 
     def __call__(self, x_BTD: jax.Array, *, train: bool = False,
-                 execution: ExecutionConfig = ExecutionConfig()) -> tuple[jax.Array, MoEAux]:
+                 execution: ExecutionConfig = ExecutionConfig(),
+                 experts_BTk: jax.Array | None = None) -> tuple[jax.Array, MoEAux]:
         """`train=True` lets a dropping dispatch (capacity, expert_parallel) run; otherwise
-        the layer is exact whatever `execution.moe_dispatch` says."""
+        the layer is exact whatever `execution.moe_dispatch` says. `experts_BTk` replays a
+        routing (int expert ids in [0, E), distinct per token)."""
         cfg = self.cfg
         b, t, d = x_BTD.shape
+        k = cfg.experts_per_token
         chex.assert_shape(x_BTD, (b, t, cfg.hidden_size))
         x_TD = x_BTD.reshape(b * t, d).astype(cfg.compute_dtype)
-        routing = route(x_TD, self.router[...], self.router_bias[...], cfg.experts_per_token)
+        replay = None if experts_BTk is None else experts_BTk.reshape(b * t, k)
+        routing = route(x_TD, self.router[...], self.router_bias[...], k, replay)
         dispatch = select_dispatch(cfg, execution, b * t, train=train)
         y_TD, drop = dispatch(x_TD, routing, self.expert_weights(), cfg, execution)
         lb, z, load = router_aux(routing, cfg.num_experts)
         y = y_TD.reshape(b, t, d).astype(cfg.compute_dtype)
-        return y, MoEAux(lb, z, load, drop)
+        return y, MoEAux(lb, z, load, drop, routing.experts_Tk.reshape(b, t, k))

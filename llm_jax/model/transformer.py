@@ -60,11 +60,13 @@ class Block(nnx.Module):
         *,
         train: bool = False,
         execution: ExecutionConfig = ExecutionConfig(),
+        experts_BTk: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEAux, LayerCache | None]:
         a, cache = self.attn(self.attn_norm(x_BTD), positions_BT, window, segment_ids_BT, cache,
                              execution=execution)
         x = x_BTD + a
-        y, aux = self.mlp(self.mlp_norm(x), train=train, execution=execution)
+        y, aux = self.mlp(self.mlp_norm(x), train=train, execution=execution,
+                          experts_BTk=experts_BTk)
         return x + y, aux, cache
 
 
@@ -99,13 +101,20 @@ class Transformer(nnx.Module):
         *,
         train: bool = False,
         layers: tuple[nnx.State, ...] | None = None,
+        experts_BTLk: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEAux, KVCache | None]:
         """Final-normed hidden states [B, T, D], per-layer MoE aux (leading axis L) and the
         updated cache (None without one). `train=True` allows a dropping MoE dispatch.
-        `layers`: `layer_states()` computed once outside a decode loop (with a cache only)."""
+        `layers`: `layer_states()` computed once outside a decode loop (with a cache only).
+        `experts_BTLk`: a routing to replay in every MoE layer (what another forward of the
+        same tokens recorded in `aux.experts`, moved to batch-first)."""
         cfg, execution = self.cfg, self.execution
         chex.assert_rank(tokens_BT, 2)
         b, t = tokens_BT.shape
+        experts_LBTk = None
+        if experts_BTLk is not None:
+            chex.assert_shape(experts_BTLk, (b, t, cfg.num_hidden_layers, cfg.experts_per_token))
+            experts_LBTk = jnp.moveaxis(experts_BTLk, 2, 0)
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = constrain(rows(self.embedding[...], tokens_BT).astype(cfg.compute_dtype), RESIDUAL)
@@ -113,16 +122,17 @@ class Transformer(nnx.Module):
         if cache is None:
             windows_L = jnp.asarray(cfg.layer_windows, jnp.int32)
 
-            def body(x_BTD: jax.Array, xs: tuple[Any, jax.Array]) -> tuple[jax.Array, MoEAux]:
-                state, window = xs
+            def body(x_BTD: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, MoEAux]:
+                state, window, experts_BTk = xs
                 y_BTD, aux, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, window,
                                                             segment_ids_BT, train=train,
-                                                            execution=execution)
+                                                            execution=execution,
+                                                            experts_BTk=experts_BTk)
                 return constrain(y_BTD, RESIDUAL), aux
 
             if execution.remat:
                 body = jax.checkpoint(body, prevent_cse=False)
-            x, aux = jax.lax.scan(body, x, (layer_state, windows_L),
+            x, aux = jax.lax.scan(body, x, (layer_state, windows_L, experts_LBTk),
                                   unroll=execution.scan_unroll)
         else:
             if len(cache) != cfg.num_hidden_layers:
@@ -133,8 +143,10 @@ class Transformer(nnx.Module):
                 state = (layers[i] if layers is not None else
                          _layer_slice(layer_state, i, x if plan().layer_slice_barrier else None))
                 block = nnx.merge(graphdef, state)
-                x, aux, layer_cache = block(x, positions_BT, cfg.layer_window(i), segment_ids_BT,
-                                            layer_cache, train=train, execution=execution)
+                x, aux, layer_cache = block(
+                    x, positions_BT, cfg.layer_window(i), segment_ids_BT, layer_cache,
+                    train=train, execution=execution,
+                    experts_BTk=None if experts_LBTk is None else experts_LBTk[i])
                 x = constrain(x, RESIDUAL)
                 auxes.append(aux)
                 new_cache.append(layer_cache)
@@ -171,8 +183,10 @@ class Transformer(nnx.Module):
         *,
         train: bool = False,
         return_aux: bool = False,
+        experts_BTLk: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, MoEAux]:
-        h, aux, _ = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, train=train)
+        h, aux, _ = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, train=train,
+                                       experts_BTLk=experts_BTLk)
         logits = self.logits(h)
         return (logits, aux) if return_aux else logits
 
