@@ -14,6 +14,12 @@ position; idle rows compute a throw-away token. The model math is generation's o
 not depend on the other rows, and sampled ones draw from the same per-step keys
 (`fold_in(fold_in(key(seed), t), 0)`, as row 0 of `sample`).
 
+With `EngineConfig.record` (RL rollouts) a sequence also records each sampled token's log-prob
+under the distribution it was drawn from (the logits / temperature, before top-k / top-p
+filtering; temperature 1 for greedy) and the experts each position it fed to the model was
+routed to (`Sequence.logprobs`, `Sequence.routing`): what the trainer's importance ratios and
+MoE routing replay need. Off, the compiled steps are the same as without it.
+
 Compiles: the decode step once per sampling mode (greedy / sampled / sampled with top-k or
 top-p filtering, the mode of the running set), the prefill per prompt bucket for n = 1 and
 n = max_prefill. The requests themselves (settings, queue errors, a sequence's state): requests.py.
@@ -60,36 +66,51 @@ def _pick(logits_BV, seeds_B, steps_B, temps_B, top_k_B, top_p_B, mode: int) -> 
     return jax.vmap(one)(logits_BV, _keys(seeds_B, steps_B), temps_B, top_k_B, top_p_B)
 
 
+def _logprobs(logits_BV, tokens_B, temps_B) -> jax.Array:
+    """log p(token) under logits / temperature (temperature 1 where greedy)."""
+    scaled = logits_BV / jnp.where(temps_B > 0, temps_B, 1.0)[:, None]
+    return jnp.take_along_axis(jax.nn.log_softmax(scaled), tokens_B[:, None], -1)[:, 0]
+
+
 def _prefill_into(graphdef, state, cache, tokens_nP, lengths_n, slots_n, seeds_n, temps_n,
-                  top_k_n, top_p_n, *, mode: int, max_len: int, cache_dtype: str):
-    """(first tokens [n], the pool with rows slots_n replaced by the prompts' caches); a slot
-    index past the pool (padding rows) writes nothing."""
+                  top_k_n, top_p_n, *, mode: int, max_len: int, cache_dtype: str,
+                  record: bool = False):
+    """(first tokens [n], the pool with rows slots_n replaced by the prompts' caches, and with
+    `record` (log-probs [n], experts [n, P, L, k]) else None); a slot index past the pool
+    (padding rows) writes nothing."""
     model = nnx.merge(graphdef, state)
     n = tokens_nP.shape[0]
-    logits_nV, fresh = prefill(model, tokens_nP, lengths_n,
-                               init_cache(model.cfg, n, max_len, cache_dtype))
+    logits_nV, fresh, *experts = prefill(model, tokens_nP, lengths_n,
+                                         init_cache(model.cfg, n, max_len, cache_dtype),
+                                         with_experts=record)
     cache = tuple(LayerCache(pool.k.at[slots_n].set(new.k, mode="drop"),
                              pool.v.at[slots_n].set(new.v, mode="drop"))
                   for pool, new in zip(cache, fresh))
     steps_n = jnp.zeros((n,), jnp.int32)
-    return _pick(logits_nV, seeds_n, steps_n, temps_n, top_k_n, top_p_n, mode), cache
+    tokens = _pick(logits_nV, seeds_n, steps_n, temps_n, top_k_n, top_p_n, mode)
+    return tokens, cache, ((_logprobs(logits_nV, tokens, temps_n), experts[0]) if record
+                           else None)
 
 
 def _decode(graphdef, treedef, weights, cache, tokens_B, positions_B, seeds_B, steps_B, temps_B,
-            top_k_B, top_p_B, *, mode: int):
-    """(next tokens [B], the pool with each row's fed token written at its position).
+            top_k_B, top_p_B, *, mode: int, record: bool = False):
+    """(next tokens [B], the pool with each row's fed token written at its position, and with
+    `record` (log-probs [B], the fed tokens' experts [B, L, k]) else None).
     `weights`: the leaves of (state, sliced layers or None), flattened once by the Engine: a
     call then flattens a list instead of NNX states (0.7 -> 0.2 ms of dispatch per step)."""
     state, layers = jax.tree.unflatten(treedef, weights)
     model = nnx.merge(graphdef, state)
-    logits_BV, cache = decode_step(model, tokens_B, positions_B, cache, layers)
-    return _pick(logits_BV, seeds_B, steps_B, temps_B, top_k_B, top_p_B, mode), cache
+    logits_BV, cache, *experts = decode_step(model, tokens_B, positions_B, cache, layers,
+                                             with_experts=record)
+    tokens = _pick(logits_BV, seeds_B, steps_B, temps_B, top_k_B, top_p_B, mode)
+    return tokens, cache, ((_logprobs(logits_BV, tokens, temps_B), experts[0]) if record
+                           else None)
 
 
 prefill_jit = InferenceJit(_prefill_into, static_argnames=("graphdef", "mode", "max_len",
-                                                           "cache_dtype"),
+                                                           "cache_dtype", "record"),
                            donate_argnames=("cache",))
-decode_jit = InferenceJit(_decode, static_argnames=("graphdef", "treedef", "mode"),
+decode_jit = InferenceJit(_decode, static_argnames=("graphdef", "treedef", "mode", "record"),
                           donate_argnames=("cache",))
 
 
@@ -176,11 +197,12 @@ class Engine:
         for p in prompt_buckets or self.prompt_buckets():
             for n in rows:
                 z = np.zeros(n, np.int32)
-                first, self.cache = prefill_jit(
+                first, self.cache, _ = prefill_jit(
                     self.graphdef, self.state, self.cache, np.zeros((n, p), np.int32),
                     np.ones(n, np.int32), np.full(n, self.cfg.slots, np.int32), z,
                     np.zeros(n, np.float32), z, np.ones(n, np.float32), mode=0,
-                    max_len=self.cfg.max_len, cache_dtype=self.cache_dtype)
+                    max_len=self.cfg.max_len, cache_dtype=self.cache_dtype,
+                    record=self.cfg.record)
         with self.lock:
             if self.running:
                 raise RuntimeError("warmup() runs before any sequence does")
@@ -260,12 +282,15 @@ class Engine:
         for s in gone + [s for s in list(self.running.values()) if s.cancelled or expired(s)]:
             self._finish(s, "cancelled" if s.cancelled else "timeout")
 
-    def _accept(self, seq: Sequence, token: int) -> None:
-        """Records one new token; finishes the sequence at a stop token, its length or when the
-        listener says so."""
+    def _accept(self, seq: Sequence, token: int, logprob: float | None = None) -> None:
+        """Records one new token (and its log-prob when recording); finishes the sequence at a
+        stop token, its length or when the listener says so."""
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         if token in seq.params.stop_ids:
+            seq.stop_token = token
             return self._finish(seq, "stop")
         seq.tokens.append(token)
         stop = False
@@ -311,12 +336,16 @@ class Engine:
             self.seeds_B[slot], self.temps_B[slot] = sp.seed, sp.temperature
             self.top_k_B[slot], self.top_p_B[slot] = top_k[i], sp.top_p
         mode = max(s.params.mode for s in batch)
-        first, self.cache = prefill_jit(
+        first, self.cache, recorded = prefill_jit(
             self.graphdef, self.state, self.cache, tokens, lengths, slot_n, seeds, temps, top_k,
-            top_p, mode=mode, max_len=self.cfg.max_len, cache_dtype=self.cache_dtype)
+            top_p, mode=mode, max_len=self.cfg.max_len, cache_dtype=self.cache_dtype,
+            record=self.cfg.record)
         first = np.asarray(first)
+        logprobs, experts = (None, None) if recorded is None else map(np.asarray, recorded)
         for i, seq in enumerate(batch):
-            self._accept(seq, int(first[i]))
+            if experts is not None:
+                seq.routing.extend(experts[i, :len(seq.prompt)])
+            self._accept(seq, int(first[i]), None if logprobs is None else float(logprobs[i]))
 
     def _decode_all(self, mode: int) -> np.ndarray:
         """One decode step over every row (idle rows: token 0 at position 0)."""
@@ -324,15 +353,19 @@ class Engine:
         idle[list(self.running)] = False
         self.tokens_B[idle] = 0
         self.positions_B[idle] = 0
-        tokens, self.cache = decode_jit(
+        tokens, self.cache, recorded = decode_jit(
             self.graphdef, self.treedef, self.weights, self.cache, self.tokens_B, self.positions_B,
-            self.seeds_B, self.steps_B, self.temps_B, self.top_k_B, self.top_p_B, mode=mode)
-        return np.asarray(tokens)
+            self.seeds_B, self.steps_B, self.temps_B, self.top_k_B, self.top_p_B, mode=mode,
+            record=self.cfg.record)
+        return np.asarray(tokens), None if recorded is None else tuple(map(np.asarray, recorded))
 
     def _decode(self) -> None:
         running = list(self.running.items())
-        tokens = self._decode_all(max(s.params.mode for _, s in running))
+        tokens, recorded = self._decode_all(max(s.params.mode for _, s in running))
         self.steps += 1
         for b, seq in running:
             if seq.finish_reason is None:
-                self._accept(seq, int(tokens[b]))
+                if recorded is not None:
+                    seq.routing.append(recorded[1][b])  # the token fed at this step
+                self._accept(seq, int(tokens[b]),
+                             None if recorded is None else float(recorded[0][b]))

@@ -39,15 +39,17 @@ def bucket(n: int) -> int:
 
 
 def prefill(model: nnx.Module, tokens_BP: jax.Array, lengths_B: jax.Array,
-            cache: KVCache) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, *, with_experts: bool = False):
     """Runs right-padded prompts (sequence b = tokens[b, :lengths[b]]) through the model, filling
-    an empty cache. Returns the float32 logits [B, V] at each prompt's last token, and the cache."""
+    an empty cache. Returns the float32 logits [B, V] at each prompt's last token, and the cache
+    (and, `with_experts`, the experts every position was routed to: int32 [B, P, L, k])."""
     b, p = tokens_BP.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     segments = (positions < lengths_B[:, None]).astype(jnp.int32)  # 0 = padding
-    h, _, cache = model.hidden_states(tokens_BP, positions, segments, cache)
+    h, aux, cache = model.hidden_states(tokens_BP, positions, segments, cache)
     last = h[jnp.arange(b), lengths_B - 1][:, None]  # [B, 1, D]: no [B, P, V] logits
-    return model.logits(last)[:, 0], cache
+    out = model.logits(last)[:, 0], cache
+    return (*out, jnp.moveaxis(aux.experts, 0, 2)) if with_experts else out
 
 
 # XLA:CPU copies each layer's slice of the stacked weights inside the decode loop, every step;
@@ -65,13 +67,15 @@ def slice_layers_once(model: nnx.Module) -> bool:
 
 
 def decode_step(model: nnx.Module, tokens_B: jax.Array, positions_B: jax.Array,
-                cache: KVCache, layers: tuple | None = None) -> tuple[jax.Array, KVCache]:
+                cache: KVCache, layers: tuple | None = None, *, with_experts: bool = False):
     """Feeds one token per sequence at its own position (every earlier position already cached).
-    Returns the float32 logits [B, V] and the cache with this token's keys and values added.
+    Returns the float32 logits [B, V] and the cache with this token's keys and values added
+    (and, `with_experts`, the experts the token was routed to: int32 [B, L, k]).
     `layers`: the model's `layer_states()`, sliced once outside the decode loop."""
-    h, _, cache = model.hidden_states(tokens_B[:, None], positions_B[:, None], None, cache,
-                                      layers=layers)
-    return model.logits(h)[:, 0], cache
+    h, aux, cache = model.hidden_states(tokens_B[:, None], positions_B[:, None], None, cache,
+                                        layers=layers)
+    out = model.logits(h)[:, 0], cache
+    return (*out, jnp.moveaxis(aux.experts, 0, 2)[:, 0]) if with_experts else out
 
 
 @dataclasses.dataclass(frozen=True)

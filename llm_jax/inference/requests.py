@@ -20,6 +20,7 @@ class EngineConfig:
     max_queue: int = 64  # waiting sequences before `submit` refuses
     max_prefill: int = 8  # prompts prefilled in one call
     cache_dtype: str | None = None  # default: the compute dtype
+    record: bool = False  # each token's log-prob and each position's experts (RL rollouts)
 
     def __post_init__(self):
         for name in ("slots", "max_len", "max_queue", "max_prefill"):
@@ -78,13 +79,20 @@ Listener = Callable[["Sequence", "int | None"], bool]
 class Sequence:
     """One request inside the engine: its prompt, settings, tokens so far and how it ended.
     `finish_reason`: "stop" (a stop token or the listener), "length", "cancelled", "timeout" or
-    "error"; None while it runs."""
+    "error"; None while it runs. `stop_token`: the stop token that ended it, if one did.
+
+    With `EngineConfig.record`: `logprobs` holds one float per sampled token (`tokens`, then the
+    stop token if one ended it) and `routing` one int32 [L, k] array of experts per position fed
+    to the model (the prompt's, then every generated token but the last)."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, listener: Listener | None = None,
                  timeout: float | None = None):
         self.prompt, self.params, self.listener = list(prompt), params, listener
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.tokens: list[int] = []
+        self.stop_token: int | None = None
+        self.logprobs: list[float] = []
+        self.routing: list = []  # numpy [L, k] per fed position
         self.finish_reason: str | None = None
         self.slot: int | None = None
         self.cancelled = False

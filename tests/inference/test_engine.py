@@ -5,6 +5,7 @@ strings, stop tokens and per-request settings, and streamed text never shows a s
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -211,3 +212,40 @@ def test_a_failing_step_ends_its_sequences_with_an_error_and_the_engine_goes_on(
     finally:
         engine.close()
     assert engine.stats()["free_slots"] == ENGINE.slots
+
+
+def test_recorded_log_probs_and_routing_are_what_a_training_forward_of_the_same_tokens_gives(
+        model):
+    """An engine with `record` (RL rollouts): each sampled token's log-prob equals the training
+    forward's log-softmax(logits / T) at that token (float32, 2e-5), the experts each fed
+    position was routed to equal the training forward's, and replaying them there changes no
+    logit. One sequence stops at a stop token, one at its length, one is greedy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    engine = Engine(model, dataclasses.replace(ENGINE, record=True))
+    params = [SamplingParams(max_new_tokens=10, temperature=0.7, seed=3),
+              SamplingParams(max_new_tokens=10, temperature=1.3, seed=4,
+                             stop_ids=frozenset(range(0, 97, 3))),
+              SamplingParams(max_new_tokens=6)]
+    seqs = [engine.submit(Sequence(p, sp)) for p, sp in zip(PROMPTS, params)]
+    engine.run_until_idle()
+    assert {s.finish_reason for s in seqs} == {"length", "stop"}
+    forward = jax.jit(lambda m, t, e: m(t, return_aux=True, experts_BTLk=e), static_argnums=0)
+    for seq, sp in zip(seqs, params):
+        sampled = seq.tokens + ([seq.stop_token] if seq.stop_token is not None else [])
+        full = seq.prompt + sampled
+        inputs = jnp.asarray([full[:-1]], jnp.int32)
+        logits, aux = forward(model, inputs, None)
+        temp = sp.temperature or 1.0
+        logp = jax.nn.log_softmax(logits[0] / temp)[np.arange(len(full) - 1), full[1:]]
+        assert len(seq.logprobs) == len(sampled)
+        np.testing.assert_allclose(seq.logprobs, logp[len(seq.prompt) - 1:], atol=2e-5)
+        routing = np.stack(seq.routing)
+        assert routing.shape == (len(full) - 1, CFG.num_hidden_layers, CFG.experts_per_token)
+        np.testing.assert_array_equal(routing, np.moveaxis(np.asarray(aux.experts), 0, 2)[0])
+        replayed, _ = forward(model, inputs, jnp.asarray(routing[None]))
+        np.testing.assert_array_equal(replayed, logits)
+    plain = run(Engine(model, ENGINE), PROMPTS[0], params[0])
+    assert plain.tokens == seqs[0].tokens and plain.logprobs == [] and plain.routing == []
