@@ -88,7 +88,7 @@ def _options(args: argparse.Namespace, tok) -> dict:
     return options
 
 
-def _fit(tok, history: list[dict], max_prompt: int, options: dict | None = None) -> list[int]:
+def fit_conversation(tok, history: list[dict], max_prompt: int, options: dict | None = None) -> list[int]:
     """The rendered conversation's ids, dropping the oldest exchanges (a user message and what
     followed it) until it fits."""
     system = [m for m in history[:1] if m["role"] == "system"]
@@ -150,7 +150,7 @@ class _Reply:
             self.close = RESET if self.dim else ""
 
 
-def _assistant_turn(messages: list[harmony.Message], first_call: int) -> dict:
+def assistant_turn(messages: list[harmony.Message], first_call: int) -> dict:
     """A parsed reply as the chat message the renderer reads back: its reasoning, its answer and
     its tool calls (ids from `first_call`)."""
     turn: dict = {"role": "assistant"}
@@ -190,7 +190,7 @@ def chat(engine, tok, args: argparse.Namespace, stdin: TextIO, stdout: TextIO,
         history.append({"role": "user", "content": line.rstrip("\n")})
         while True:  # the assistant's turn: replies, and tool results typed in between
             try:
-                prompt = _fit(tok, history, args.max_len - args.max_tokens, options)
+                prompt = fit_conversation(tok, history, args.max_len - args.max_tokens, options)
             except ValueError as e:
                 del history[max(i for i, m in enumerate(history) if m["role"] == "user"):]
                 stdout.write(f"[{e}]\n")
@@ -204,7 +204,7 @@ def chat(engine, tok, args: argparse.Namespace, stdin: TextIO, stdout: TextIO,
                 break
             reply = _harmony_reply(engine, prompt, sampling, tok, stdout, args.hide_reasoning)
             calls = sum(len(m.get("tool_calls") or []) for m in history)
-            history.append(_assistant_turn(reply, calls))
+            history.append(assistant_turn(reply, calls))
             if not history[-1].get("tool_calls"):
                 break
             for call in history[-1]["tool_calls"]:

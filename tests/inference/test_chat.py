@@ -12,7 +12,7 @@ import shutil
 import pytest
 from helpers import WEATHER_TOOL, make_checkpoint
 
-from llm_jax.chat import _assistant_turn, _fit, main
+from llm_jax.chat import assistant_turn, fit_conversation, main
 from llm_jax.data import harmony
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.tokenizer import load_tokenizer
@@ -89,7 +89,7 @@ def test_the_history_keeps_turns_by_the_harmony_rules_and_drops_whole_exchanges(
     tok = load_tokenizer(harmony_checkpoint)
     call = harmony.Message("assistant", "commentary", "functions.get_weather", "json",
                            '{"city": "Paris"}', "call")
-    turn = _assistant_turn([harmony.Message("assistant", "analysis", content="Need it.",
+    turn = assistant_turn([harmony.Message("assistant", "analysis", content="Need it.",
                                             end="end"), call], first_call=3)
     assert turn == {"role": "assistant", "reasoning_content": "Need it.", "content": None,
                     "tool_calls": [{"id": "call_3", "type": "function", "function": {
@@ -100,11 +100,11 @@ def test_the_history_keeps_turns_by_the_harmony_rules_and_drops_whole_exchanges(
                {"role": "tool", "tool_call_id": "call_3", "content": "20"}]
     options = {"tools": [WEATHER_TOOL]}
     whole = tok.encode(tok.render(history, **options))
-    assert _fit(tok, history, len(whole), options) == whole
-    assert _fit(tok, history, len(whole) - 1, options) == tok.encode(
+    assert fit_conversation(tok, history, len(whole), options) == whole
+    assert fit_conversation(tok, history, len(whole) - 1, options) == tok.encode(
         tok.render(history[2:], **options))  # the first exchange goes, whole
     with pytest.raises(ValueError, match="this exchange takes"):
-        _fit(tok, history, len(tok.encode(tok.render(history[2:], **options))) - 1, options)
+        fit_conversation(tok, history, len(tok.encode(tok.render(history[2:], **options))) - 1, options)
 
 
 def test_harmony_flags_are_checked(ckpt, harmony_checkpoint, tmp_path, capsys):
