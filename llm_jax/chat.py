@@ -88,7 +88,8 @@ def _options(args: argparse.Namespace, tok) -> dict:
     return options
 
 
-def fit_conversation(tok, history: list[dict], max_prompt: int, options: dict | None = None) -> list[int]:
+def fit_conversation(tok, history: list[dict], max_prompt: int,
+                     options: dict | None = None) -> list[int]:
     """The rendered conversation's ids, dropping the oldest exchanges (a user message and what
     followed it) until it fits."""
     system = [m for m in history[:1] if m["role"] == "system"]
@@ -190,7 +191,8 @@ def chat(engine, tok, args: argparse.Namespace, stdin: TextIO, stdout: TextIO,
         history.append({"role": "user", "content": line.rstrip("\n")})
         while True:  # the assistant's turn: replies, and tool results typed in between
             try:
-                prompt = fit_conversation(tok, history, args.max_len - args.max_tokens, options)
+                prompt = fit_conversation(tok, history, args.max_len - args.max_tokens,
+                                          options)
             except ValueError as e:
                 del history[max(i for i, m in enumerate(history) if m["role"] == "user"):]
                 stdout.write(f"[{e}]\n")

@@ -103,8 +103,9 @@ def test_the_history_keeps_turns_by_the_harmony_rules_and_drops_whole_exchanges(
     assert fit_conversation(tok, history, len(whole), options) == whole
     assert fit_conversation(tok, history, len(whole) - 1, options) == tok.encode(
         tok.render(history[2:], **options))  # the first exchange goes, whole
+    last = len(tok.encode(tok.render(history[2:], **options)))
     with pytest.raises(ValueError, match="this exchange takes"):
-        fit_conversation(tok, history, len(tok.encode(tok.render(history[2:], **options))) - 1, options)
+        fit_conversation(tok, history, last - 1, options)
 
 
 def test_harmony_flags_are_checked(ckpt, harmony_checkpoint, tmp_path, capsys):
