@@ -66,6 +66,7 @@ class BadLines:
 
 
 LOSS_CHANNELS = harmony.CHANNELS
+DEFAULT_LOSS_CHANNELS = ",".join(LOSS_CHANNELS)  # reasoning included: docs/finetuning.md
 RENDER_OPTIONS = ("tools", "reasoning_effort")  # a line's fields passed to the renderer
 
 
@@ -93,15 +94,19 @@ def loss_channels(value: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def _is_call(call: Any) -> bool:
+    """An OpenAI tool call ({"function": {"name", "arguments"}}) or transformers' flat one."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"])
+
+
 def _check_message(m: Any, where: str) -> None:
     if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
         raise ValueError(f"{where} needs a string 'role'")
     calls = m.get("tool_calls")
     if m["role"] == "assistant":
         if calls is not None:
-            if not isinstance(calls, list) or not all(
-                    isinstance(c, dict) and isinstance((c.get("function") or c).get("name"), str)
-                    for c in calls):
+            if not isinstance(calls, list) or not all(map(_is_call, calls)):
                 raise ValueError(f"{where}.tool_calls must be a list of calls with a "
                                  "function name")
         for key in ("reasoning_content", "reasoning", "thinking"):
@@ -138,10 +143,6 @@ def to_conversation(record: Any) -> Conversation:
                              {"role": "assistant", "content": record["completion"]}])
     raise ValueError("expected 'messages' or string 'prompt' and 'completion' fields")
 
-
-def to_messages(record: Any) -> list[Message]:
-    """A record's messages (`to_conversation` without the options)."""
-    return to_conversation(record).messages
 
 
 def read_jsonl(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[Conversation]:
@@ -309,6 +310,15 @@ def split_conversations(convs: Sequence[Conversation | list[Message]],
             [m for i, m in enumerate(convs) if i in held])
 
 
+def _tokenized(tok: HFTokenizer, conv: Conversation, channels: frozenset[str]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """`tokenize_conversation`, a refusal naming the conversation it refused."""
+    try:
+        return tokenize_conversation(tok, conv, channels)
+    except ValueError as e:
+        raise ValueError(f"SFT conversation {conv.key()[:300]}: {e}") from e
+
+
 def _empty_rows(batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
     """A batch of padding only (segment 0, loss mask 0): it adds nothing to any eval sum."""
     return {k: np.zeros((batch_size, seq_len), np.float32 if k == "loss_mask" else np.int32)
@@ -371,7 +381,7 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
         raise ValueError(f"train.batch_size={batch_size} is not divisible by the process count "
                          f"{process_count}")
     local_batch = batch_size // process_count
-    channels = loss_channels(sft.get("loss_channels", ",".join(LOSS_CHANNELS)))
+    channels = loss_channels(sft.get("loss_channels", DEFAULT_LOSS_CHANNELS))
     tok = HFTokenizer(tokenizer_path)
     bad = BadLines()
     if sft.tfds_name:
@@ -385,7 +395,7 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
 
     def share(split: list[Conversation]) -> list[tuple[np.ndarray, np.ndarray]]:
         first, stop = split_shares(len(split), process_count)[process_index]
-        return [tokenize_conversation(tok, m, channels) for m in split[first:stop]]
+        return [_tokenized(tok, m, channels) for m in split[first:stop]]
 
     rows, eval_rows = pack(share(train), seq_len), pack(share(held), seq_len)
     if not rows or len(rows["inputs"]) < local_batch:

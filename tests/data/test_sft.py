@@ -187,3 +187,14 @@ def test_loss_channels_are_checked_naming_the_field():
             validate_run_config(cfg)
     assert to_conversation({"messages": HARMONY_CHATS[1][1], **HARMONY_CHATS[1][0]}).options \
         == {"tools": [WEATHER_TOOL]}
+
+
+def test_a_conversation_the_renderer_refuses_is_named(harmony_checkpoint, tmp_path):
+    line = {"messages": HARMONY_CHATS[0][1], "tools": [{"type": "function", "function": {}}]}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(line) + "\n")
+    sft = default_run_config("t", ModelConfig()).sft
+    sft.files, sft.validation_fraction = str(tmp_path / "bad.jsonl"), 0.0
+    with pytest.raises(ValueError, match=r"SFT conversation .*What is 2 \+ 2.*"
+                                         r"tools\[0\].function.name"):
+        make_sft_data(sft, tokenizer_path=str(harmony_checkpoint), seq_len=512, batch_size=1,
+                      seed=0)
