@@ -3,7 +3,15 @@
 `tokenizer.json` is read with the Hugging Face `tokenizers` library (its added special tokens
 included); the chat template comes from `chat_template.jinja` or `tokenizer_config.json`'s
 `chat_template` and is rendered with jinja2's sandbox, as transformers does (for gpt-oss it
-writes the harmony format). A missing or unreadable file is refused naming it.
+writes the harmony format). A tokenizer without a template whose vocabulary holds harmony's
+special tokens renders with `llm_jax.data.harmony.render_conversation` instead. A missing or
+unreadable file is refused naming it.
+
+Messages reach a template in transformers' shape: an assistant's `reasoning_content` (the
+OpenAI-compatible servers' name) also as `thinking` (gpt-oss's template reads that), tool-call
+`arguments` given as a JSON string as the object it holds, and a `content` of None left out (a
+pure tool-call message), so data written for an OpenAI-style API renders as gpt-oss's template
+expects.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 import tokenizers
+
+from llm_jax.data import harmony
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -42,8 +52,37 @@ def tokenizer_dir(path: str | Path) -> Path:
     return p
 
 
+def template_messages(messages: Sequence[Message]) -> list[Message]:
+    """`messages` in the shape chat templates read (module doc); other messages unchanged."""
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") != "assistant":
+            out.append(m)
+            continue
+        m = {k: v for k, v in m.items() if not (k == "content" and v is None)}
+        for key in ("reasoning_content", "reasoning"):
+            if "thinking" not in m and isinstance(m.get(key), str):
+                m["thinking"] = m[key]
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_object_arguments(c) for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def _object_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call  # left as written: the template shows what the data says
+    return {**call, "function": {**fn, "arguments": args}}
+
+
 class HFTokenizer:
-    """encode/decode, special tokens and `render(messages)` for one checkpoint directory."""
+    """encode/decode, special tokens and `render(messages)` for one checkpoint directory;
+    `harmony` holds harmony's special-token ids when the vocabulary has them (else None)."""
 
     def __init__(self, path: str | Path):
         d = tokenizer_dir(path)
@@ -69,23 +108,35 @@ class HFTokenizer:
             source, where = template_path.read_text(), str(template_path)
         else:
             source, where = config.get("chat_template"), f"{cfg_path} (chat_template)"
-        if not isinstance(source, str):
+        self.harmony = harmony.HarmonyTokens.find(self._tok.token_to_id)
+        self._template = None
+        if not isinstance(source, str) and self.harmony is None:
             raise ValueError(f"no chat template in {d}: expected {TEMPLATE_FILE} or "
-                             f"'chat_template' in {TOKENIZER_CONFIG}")
+                             f"'chat_template' in {TOKENIZER_CONFIG} (or harmony's special "
+                             f"tokens in {TOKENIZER_FILE}, to render with llm_jax.data.harmony)")
+        if isinstance(source, str):
+            self._template = self._compile(source, where)
+        self.special = {k: _token_str(config.get(k)) for k in
+                        ("bos_token", "eos_token", "pad_token")}
+        eos = self.special["eos_token"]
+        self.eos_id = self._tok.token_to_id(eos) if eos else None
+        self.path = d
+
+    @staticmethod
+    def _compile(source: str, where: str) -> jinja2.Template:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, **kw)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
-            self._template = env.from_string(source)
+            return env.from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"chat template {where} is corrupt: {e}") from e
-        self.special = {k: _token_str(config.get(k)) for k in
-                        ("bos_token", "eos_token", "pad_token")}
-        eos = self.special["eos_token"]
-        self.eos_id = self._tok.token_to_id(eos) if eos else None
-        self.path = d
+
+    @property
+    def has_template(self) -> bool:
+        return self._template is not None
 
     @property
     def vocab_size(self) -> int:
@@ -105,8 +156,13 @@ class HFTokenizer:
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False,
                **variables: Any) -> str:
         """The chat template applied to `messages` (the special tokens are in the text);
-        `variables` are passed to the template (gpt-oss's reads `tools`, `reasoning_effort`)."""
-        return self._template.render(messages=list(messages),
+        `variables` are passed to the template (gpt-oss's reads `tools`, `reasoning_effort`).
+        Without a template, harmony's renderer with `variables` as its options."""
+        if self._template is None:
+            return harmony.render_conversation(messages,
+                                               add_generation_prompt=add_generation_prompt,
+                                               **variables)
+        return self._template.render(messages=template_messages(messages),
                                      add_generation_prompt=add_generation_prompt,
                                      **{k: v for k, v in self.special.items() if v},
                                      **variables)

@@ -2,10 +2,24 @@
 only, packed into fixed rows whose examples never attend to each other.
 
 Sources: JSONL files of `{"messages": [{"role", "content"}, ...]}` or `{"prompt", "completion"}`
-lines, or a TFDS dataset by name with such a feature. Assistant spans are found by rendering
+lines, or a TFDS dataset by name with such a feature. A `messages` line may also carry `tools`
+(OpenAI function tools) and `reasoning_effort`, passed to the renderer; its assistant messages
+may carry reasoning (`reasoning_content`, `reasoning` or `thinking`) and `tool_calls` (content
+then may be null), answered by `tool` messages.
+
+Assistant spans, for a chat template that does not speak harmony, are found by rendering
 prefixes: message i's span runs from the end of `render(messages[:i], add_generation_prompt)` to
 where `render(messages[:i+1])` stops agreeing with the full rendering, and a token is an
 assistant token when its first character lies in a span.
+
+A tokenizer with harmony's special tokens renders with its chat template (gpt-oss's) or, without
+one, `llm_jax.data.harmony.render_conversation`; the rendered ids are cut at each `<|start|>` and
+each piece parsed as one harmony message, which gives its role, channel and exact token span.
+An assistant message on a channel in `sft.loss_channels` is learned from its `<|start|>` (or,
+opening the assistant's turn, from after the `<|start|>assistant` the generation prompt writes)
+through its closing `<|end|>`, `<|call|>` or `<|return|>`; an earlier turn's final message
+closes with `<|end|>` in the history where the model wrote `<|return|>`, so that `<|end|>` is
+not learned.
 
 Held out: a conversation is validation when the hash of its canonical JSON falls below
 `sft.validation_fraction` (at least one when the fraction is > 0, never all): the same split on
@@ -32,6 +46,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from llm_jax.data import harmony
 from llm_jax.data.hf_tokenizer import HFTokenizer, Message
 from llm_jax.data.local_text import path_hash_fraction, split_shares
 from llm_jax.data.resume import TaggedIterator, check_saved_state
@@ -50,8 +65,62 @@ class BadLines:
             self.first.append(where)
 
 
-def to_messages(record: Any) -> list[Message]:
-    """A record as a list of messages; raises ValueError saying what is wrong with it."""
+LOSS_CHANNELS = harmony.CHANNELS
+DEFAULT_LOSS_CHANNELS = ",".join(LOSS_CHANNELS)  # reasoning included: docs/finetuning.md
+RENDER_OPTIONS = ("tools", "reasoning_effort")  # a line's fields passed to the renderer
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """One example: its messages and the renderer's options (`tools`, `reasoning_effort`)."""
+
+    messages: list[Message]
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def key(self) -> str:
+        """Canonical JSON, hashed for the held-out split (a line without options hashes as its
+        messages alone)."""
+        value = {"messages": self.messages, **self.options} if self.options else self.messages
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def loss_channels(value: str) -> frozenset[str]:
+    """`sft.loss_channels` ("analysis,commentary,final") as a set, refused naming the field."""
+    names = [v.strip() for v in str(value).split(",") if v.strip()]
+    bad = [n for n in names if n not in LOSS_CHANNELS]
+    if bad or not names:
+        raise ValueError(f"config field sft.loss_channels={value!r} is invalid: expected a "
+                         f"comma-separated non-empty subset of {','.join(LOSS_CHANNELS)}")
+    return frozenset(names)
+
+
+def _is_call(call: Any) -> bool:
+    """An OpenAI tool call ({"function": {"name", "arguments"}}) or transformers' flat one."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"])
+
+
+def _check_message(m: Any, where: str) -> None:
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+        raise ValueError(f"{where} needs a string 'role'")
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant":
+        if calls is not None:
+            if not isinstance(calls, list) or not all(map(_is_call, calls)):
+                raise ValueError(f"{where}.tool_calls must be a list of calls with a "
+                                 "function name")
+        for key in ("reasoning_content", "reasoning", "thinking"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ValueError(f"{where}.{key} must be a string")
+        if m.get("content") is None and calls:
+            return  # a pure tool call
+    if not isinstance(m.get("content"), str):
+        raise ValueError(f"{where} needs a string 'content'"
+                         + (" (or 'tool_calls')" if m["role"] == "assistant" else ""))
+
+
+def to_conversation(record: Any) -> Conversation:
+    """A record as a Conversation; raises ValueError saying what is wrong with it."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -59,19 +128,24 @@ def to_messages(record: Any) -> list[Message]:
         if not isinstance(msgs, list) or not msgs:
             raise ValueError("'messages' must be a non-empty list")
         for j, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)):
-                raise ValueError(f"messages[{j}] needs string 'role' and 'content'")
+            _check_message(m, f"messages[{j}]")
         if not any(m["role"] == "assistant" for m in msgs):
             raise ValueError("no assistant message: nothing to learn from")
-        return msgs
+        options = {k: record[k] for k in RENDER_OPTIONS if record.get(k) is not None}
+        if "tools" in options and not isinstance(options["tools"], list):
+            raise ValueError("'tools' must be a list of function tools")
+        if "reasoning_effort" in options and \
+                options["reasoning_effort"] not in harmony.REASONING_EFFORTS:
+            raise ValueError(f"'reasoning_effort' must be one of {harmony.REASONING_EFFORTS}")
+        return Conversation(msgs, options)
     if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-        return [{"role": "user", "content": record["prompt"]},
-                {"role": "assistant", "content": record["completion"]}]
+        return Conversation([{"role": "user", "content": record["prompt"]},
+                             {"role": "assistant", "content": record["completion"]}])
     raise ValueError("expected 'messages' or string 'prompt' and 'completion' fields")
 
 
-def read_jsonl(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[list[Message]]:
+
+def read_jsonl(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[Conversation]:
     """Conversations from every file matching `pattern`, in order; a bad line is named by file
     and line and either skipped (counted in `bad`) or raised."""
     files = sorted(glob.glob(pattern))
@@ -83,7 +157,7 @@ def read_jsonl(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[list[M
                 if not line.strip():
                     continue
                 try:
-                    yield to_messages(json.loads(line))
+                    yield to_conversation(json.loads(line))
                 except (json.JSONDecodeError, ValueError) as e:
                     where = f"{path}:{lineno}: {e}"
                     if on_bad_line == "stop":
@@ -92,7 +166,7 @@ def read_jsonl(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[list[M
                     bad.add(where)
 
 
-def read_tfds(name: str, split: str, data_dir: str | None) -> Iterator[list[Message]]:
+def read_tfds(name: str, split: str, data_dir: str | None) -> Iterator[Conversation]:
     import tensorflow_datasets as tfds
 
     for ex in tfds.as_numpy(tfds.load(name, split=split, data_dir=data_dir or None)):
@@ -101,7 +175,7 @@ def read_tfds(name: str, split: str, data_dir: str | None) -> Iterator[list[Mess
             m = record["messages"]
             record["messages"] = [{"role": r.decode(), "content": c.decode()}
                                   for r, c in zip(m["role"], m["content"])]
-        yield to_messages(record)
+        yield to_conversation(record)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -112,23 +186,80 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
-def tokenize_conversation(tok: HFTokenizer, messages: Sequence[Message]
+def tokenize_conversation(tok: HFTokenizer, messages: Sequence[Message] | Conversation,
+                          channels: frozenset[str] = frozenset(LOSS_CHANNELS)
                           ) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids [S], assistant mask [S]) of one rendered conversation."""
-    full = tok.render(messages)
+    """(token ids [S], assistant mask [S]) of one rendered conversation; on a harmony tokenizer
+    the mask covers the assistant's messages on `channels` (module doc)."""
+    conv = messages if isinstance(messages, Conversation) else Conversation(list(messages))
+    messages, options = conv.messages, conv.options
+    full = tok.render(messages, **options)
+    if tok.harmony is not None:
+        return _harmony_mask(tok, full, channels)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prefix = tok.render(messages[:i], add_generation_prompt=True)
+        prefix = tok.render(messages[:i], add_generation_prompt=True, **options)
         if not full.startswith(prefix):
             raise ValueError(f"the chat template renders messages[:{i}] + generation prompt as "
                              "something that is not a prefix of the whole conversation")
-        spans.append((len(prefix), _common_prefix(tok.render(messages[:i + 1]), full)))
+        spans.append((len(prefix), _common_prefix(tok.render(messages[:i + 1], **options),
+                                                  full)))
     ids, offsets = tok.encode_offsets(full)
     mask = np.zeros(len(ids), np.float32)
     for j, (start, _) in enumerate(offsets):
         mask[j] = any(s <= start < e for s, e in spans)
+    return np.asarray(ids, np.int32), mask
+
+
+def harmony_messages(tok: HFTokenizer, ids: Sequence[int]
+                     ) -> list[tuple[harmony.Message, int, int]]:
+    """(message, first token, end token) of each message of rendered harmony ids: cut at every
+    `<|start|>`, each piece parsed alone. Raises ValueError where the ids are not a sequence of
+    well-formed messages."""
+    h = tok.harmony
+    starts = [i for i, t in enumerate(ids) if t == h.start]
+    if not starts or starts[0] != 0:
+        raise ValueError("the rendered conversation does not begin with <|start|>")
+    out = []
+    for s, e in zip(starts, starts[1:] + [len(ids)]):
+        parser = harmony.Parser(h, tok.decode, role=None)  # the role is in the piece
+        for t in ids[s + 1:e]:
+            parser.push(int(t))
+        parser.finish()
+        if parser.errors or len(parser.messages) != 1 or parser.messages[0].end is None:
+            raise ValueError(f"the rendered conversation is not well-formed harmony at tokens "
+                             f"{s}-{e}: {parser.errors or 'no closed message'} in "
+                             f"{tok.decode(ids[s:e])!r}")
+        out.append((parser.messages[0], s, e))
+    return out
+
+
+def _harmony_mask(tok: HFTokenizer, text: str, channels: frozenset[str]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    ids = tok.encode(text)
+    prompt = tok.encode("<|start|>assistant")  # what the generation prompt writes
+    mask = np.zeros(len(ids), np.float32)
+    previous = None
+    for msg, s, e in harmony_messages(tok, ids):
+        opens_turn = previous != "assistant"
+        previous = msg.role
+        if msg.role != "assistant":
+            continue
+        if msg.channel not in LOSS_CHANNELS:
+            raise ValueError(f"the rendered conversation has an assistant message on channel "
+                             f"{msg.channel!r} (tokens {s}-{e}): expected one of {LOSS_CHANNELS}")
+        if msg.channel not in channels:
+            continue
+        if opens_turn:
+            if ids[s:s + len(prompt)] != prompt:
+                raise ValueError(f"the assistant message at tokens {s}-{e} does not begin with "
+                                 "the generation prompt <|start|>assistant")
+            s += len(prompt)
+        if msg.channel == "final" and msg.end == "end":
+            e -= 1  # the history's <|end|> for the <|return|> the model wrote
+        mask[s:e] = 1
     return np.asarray(ids, np.int32), mask
 
 
@@ -161,20 +292,31 @@ def pack(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int) -> dic
     return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "fill"} if rows else {}
 
 
-def split_conversations(convs: Sequence[list[Message]], validation_fraction: float
-                        ) -> tuple[list[list[Message]], list[list[Message]]]:
+def split_conversations(convs: Sequence[Conversation | list[Message]],
+                        validation_fraction: float) -> tuple[list, list]:
     """(train, validation) by the hash of each conversation's canonical JSON (module doc), each
     in reading order."""
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"sft.validation_fraction={validation_fraction!r} is invalid: expected "
                          "a fraction in [0, 1)")
-    keys = [path_hash_fraction(json.dumps(m, sort_keys=True, ensure_ascii=False)) for m in convs]
+    keys = [path_hash_fraction(m.key() if isinstance(m, Conversation)
+                               else json.dumps(m, sort_keys=True, ensure_ascii=False))
+            for m in convs]
     n_val = sum(k < validation_fraction for k in keys)
     if validation_fraction > 0 and len(convs) >= 2:
         n_val = min(max(n_val, 1), len(convs) - 1)
     held = set(sorted(range(len(convs)), key=keys.__getitem__)[:n_val])
     return ([m for i, m in enumerate(convs) if i not in held],
             [m for i, m in enumerate(convs) if i in held])
+
+
+def _tokenized(tok: HFTokenizer, conv: Conversation, channels: frozenset[str]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """`tokenize_conversation`, a refusal naming the conversation it refused."""
+    try:
+        return tokenize_conversation(tok, conv, channels)
+    except ValueError as e:
+        raise ValueError(f"SFT conversation {conv.key()[:300]}: {e}") from e
 
 
 def _empty_rows(batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -239,6 +381,7 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
         raise ValueError(f"train.batch_size={batch_size} is not divisible by the process count "
                          f"{process_count}")
     local_batch = batch_size // process_count
+    channels = loss_channels(sft.get("loss_channels", DEFAULT_LOSS_CHANNELS))
     tok = HFTokenizer(tokenizer_path)
     bad = BadLines()
     if sft.tfds_name:
@@ -250,9 +393,9 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
     if bad.count:
         logging.warning("skipped %d malformed SFT line(s), e.g. %s", bad.count, bad.first)
 
-    def share(split: list[list[Message]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def share(split: list[Conversation]) -> list[tuple[np.ndarray, np.ndarray]]:
         first, stop = split_shares(len(split), process_count)[process_index]
-        return [tokenize_conversation(tok, m) for m in split[first:stop]]
+        return [_tokenized(tok, m, channels) for m in split[first:stop]]
 
     rows, eval_rows = pack(share(train), seq_len), pack(share(held), seq_len)
     if not rows or len(rows["inputs"]) < local_batch:

@@ -8,7 +8,15 @@ llm_jax/inference/scoring.py and generating with the continuous-batching engine
 model_args: checkpoint (required), dtype, max_length (positions per forward pass; default
 2048), batch_size (rows per scoring call; lm_eval's --batch_size), pack (several short requests
 per row), max_gen_toks (default new tokens for generate_until; 256), slots (sequences decoded
-together; 16).
+together; 16), reasoning_effort (low, medium or high: the chat template's, for a checkpoint that
+speaks harmony).
+
+On a harmony checkpoint (gpt-oss) a generation whose prompt opens an assistant message (ends in
+`<|start|>assistant`, as `--apply_chat_template` renders it) is parsed, and its answer is the
+final channel's text (`harmony.final_text`): no reasoning, no framing tokens, "" when the model
+never reached it (a tool call, or the length limit). The task's `until` strings then cut that
+answer, not the reasoning before it. Any other prompt's generation is its text, as for any
+checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import Any
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from llm_jax.data import harmony
 from llm_jax.inference.completions import GenerationRequest, engine_for, generate_until
 from llm_jax.inference.scoring import loglikelihood, loglikelihood_rolling
 from llm_jax.inference.tokenizer import load_tokenizer
@@ -35,8 +44,11 @@ class LlmJaxLM(TemplateLM):
 
     def __init__(self, checkpoint: str, dtype: str | None = None, max_length: int = 2048,
                  batch_size: int | str = 8, pack: bool | str = False, max_gen_toks: int = 256,
-                 slots: int = 16, **unused: Any):
+                 slots: int = 16, reasoning_effort: str | None = None, **unused: Any):
         super().__init__()
+        if reasoning_effort is not None and reasoning_effort not in harmony.REASONING_EFFORTS:
+            raise ValueError(f"model_args reasoning_effort={reasoning_effort!r} is invalid: "
+                             f"expected one of {harmony.REASONING_EFFORTS}")
         self.model = load_pretrained(checkpoint, dtype=dtype)
         self.text = load_tokenizer(checkpoint)
         if self.text is None:
@@ -49,6 +61,11 @@ class LlmJaxLM(TemplateLM):
         self.max_length = int(max_length)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto": 8
         self.pack, self.max_gen_toks, self.slots = _flag(pack), int(max_gen_toks), int(slots)
+        self.template_options = ({"reasoning_effort": reasoning_effort}
+                                 if reasoning_effort is not None else {})
+        # the ids that open an assistant message: a prompt ending in them is answered in harmony
+        self.assistant_prompt = (self.text.encode("<|start|>assistant")
+                                 if self.text.harmony is not None else None)
 
     @property
     def eot_token_id(self) -> int:
@@ -64,7 +81,7 @@ class LlmJaxLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:
-        return self.text.render(chat_history)
+        return self.text.render(chat_history, **self.template_options)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
@@ -88,8 +105,17 @@ class LlmJaxLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
         return out
 
+    def _answers_in_harmony(self, prompt: list[int]) -> bool:
+        n = len(self.assistant_prompt or ())
+        return n > 0 and prompt[-n:] == self.assistant_prompt
+
+    def final_text(self, tokens: list[int]) -> str:
+        """The final channel's text of harmony output `tokens` (what followed
+        `<|start|>assistant`)."""
+        return harmony.final_text(harmony.parse(self.text.harmony, tokens, self.text.decode))
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        gens = []
+        gens, answers, untils = [], [], []
         for req in requests:
             context, kwargs = req.args[0], dict(req.args[1] or {})
             until = kwargs.pop("until", None) or []
@@ -99,14 +125,24 @@ class LlmJaxLM(TemplateLM):
             temperature = float(kwargs.pop("temperature", 0.0)) if sampled else 0.0
             keep = max(1, self.max_length - new)  # the context's last tokens that fit
             prompt = self.tok_encode(context)[-keep:] or [self.eot_token_id]
+            answers.append(self._answers_in_harmony(prompt))
             gens.append(GenerationRequest(
                 prompt, max_new_tokens=new, temperature=temperature,
                 top_p=float(kwargs.pop("top_p", 1.0)) if sampled else 1.0,
-                seed=int(kwargs.pop("seed", 0)), stop=until, stop_ids=list(self.text.stop_ids)))
+                seed=int(kwargs.pop("seed", 0)), stop=() if answers[-1] else until,
+                stop_ids=list(self.text.stop_ids)))
+            untils.append(until)
         if not gens:
             return []
         engine = engine_for(self.model, gens, self.slots)
-        out = [g.text for g in generate_until(engine, gens, self.text.decode)]
+        out = [_cut(self.final_text(g.tokens), until) if harmonic else g.text
+               for g, harmonic, until in zip(generate_until(engine, gens, self.text.decode),
+                                             answers, untils)]
         for req, text in zip(requests, out):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out
+
+
+def _cut(text: str, until: list[str]) -> str:
+    """`text` up to the first of the `until` strings."""
+    return text[:min((i for s in until if s and (i := text.find(s)) >= 0), default=len(text))]

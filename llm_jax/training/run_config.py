@@ -16,6 +16,7 @@ import ml_collections
 
 from llm_jax.config import ModelConfig
 from llm_jax.data.config import ON_BAD_FILE, ON_BAD_LINE
+from llm_jax.data.sft import DEFAULT_LOSS_CHANNELS, loss_channels
 from llm_jax.execution import ExecutionConfig
 
 
@@ -107,6 +108,11 @@ def _sft() -> ml_collections.ConfigDict:
     c.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
     c.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
     c.validation_fraction = 0.05  # conversations held out (by hash) for val_loss; 0 = none
+    # Harmony (gpt-oss) conversations: the channels of the assistant's messages in the loss,
+    # comma-separated from analysis (reasoning), commentary (tool calls, preambles) and final
+    # (answers). All by default: reasoning in the data is there to be learned; without it the
+    # answers are trained after reasoning the model never learns to write (docs/finetuning.md).
+    c.loss_channels = DEFAULT_LOSS_CHANNELS
     return c
 
 
@@ -222,6 +228,7 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
         if cfg[section][key] not in allowed:
             raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
                              f"expected one of {list(allowed)}")
+    loss_channels(cfg.sft.get("loss_channels", DEFAULT_LOSS_CHANNELS))
     tc = cfg.train
     if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
         raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "
