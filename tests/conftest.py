@@ -95,3 +95,14 @@ def harmony_checkpoint(tmp_path_factory: pytest.TempPathFactory):
             make_harmony_checkpoint(d.with_name(d.name + ".partial"))
             (d.with_name(d.name + ".partial")).rename(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def harmony_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """A directory holding only the harmony checkpoint's tokenizer (no model: seconds to make),
+    for tests of rendering and data."""
+    from helpers import make_harmony_tokenizer
+
+    d = tmp_path_factory.mktemp("harmony_tokenizer")
+    make_harmony_tokenizer(d)
+    return d

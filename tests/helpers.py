@@ -236,27 +236,40 @@ HARMONY_MODEL = ModelConfig(
     sliding_window=0)
 
 
-def make_harmony_checkpoint(d: Path, steps: int = 200) -> Path:
-    """A tiny model trained on HARMONY_CHATS until greedy decoding reproduces each reply
-    (reasoning, answer, tool call), with a byte-level BPE tokenizer holding harmony's special
-    tokens and no chat template (so it renders with llm_jax.data.harmony). Nothing downloaded."""
-    import optax
-    from flax import nnx
+def harmony_texts() -> list[str]:
+    """HARMONY_CHATS rendered as training text (each ends with its reply's stop token)."""
+    from llm_jax.data import harmony
 
+    return [harmony.render_conversation(m, add_generation_prompt=False, **o)
+            for o, m in HARMONY_CHATS]
+
+
+def make_harmony_tokenizer(d: Path) -> tokenizers.Tokenizer:
+    """Writes d/tokenizer.json: a byte-level BPE trained on harmony_texts(), holding harmony's
+    special tokens, no chat template (it renders with llm_jax.data.harmony)."""
     from llm_jax.data import harmony
 
     d.mkdir(parents=True, exist_ok=True)
-    texts = [harmony.render_conversation(m, add_generation_prompt=False, **o)
-             for o, m in HARMONY_CHATS]
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=HARMONY_MODEL.vocab_size, special_tokens=list(harmony.SPECIAL_TOKENS.values()),
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(harmony_texts(), trainer)
     tok.save(str(d / "tokenizer.json"))
-    seqs = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    return tok
+
+
+def make_harmony_checkpoint(d: Path, steps: int = 200) -> Path:
+    """A tiny model trained on HARMONY_CHATS until greedy decoding reproduces each reply
+    (reasoning, answer, tool call), with make_harmony_tokenizer's tokenizer. Nothing
+    downloaded."""
+    import optax
+    from flax import nnx
+
+    tok = make_harmony_tokenizer(d)
+    seqs = [tok.encode(t, add_special_tokens=False).ids for t in harmony_texts()]
     length = max(len(s) for s in seqs)
     ids = np.zeros((len(seqs), length), np.int32)
     mask = np.zeros((len(seqs), length - 1), np.float32)

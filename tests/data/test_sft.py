@@ -57,9 +57,9 @@ def _system_and_developer(tok: HFTokenizer) -> str:
 
 
 @pytest.mark.parametrize("channels", ["analysis,commentary,final", "commentary,final"])
-def test_the_mask_covers_the_assistant_messages_on_the_chosen_channels(harmony_checkpoint,
+def test_the_mask_covers_the_assistant_messages_on_the_chosen_channels(harmony_tokenizer,
                                                                         channels):
-    tok = HFTokenizer(harmony_checkpoint)  # no chat template: harmony's renderer
+    tok = HFTokenizer(harmony_tokenizer)  # no chat template: harmony's renderer
     ids, mask = tokenize_conversation(tok, Conversation(MESSAGES, {"tools": [WEATHER_TOOL]}),
                                       loss_channels(channels))
     want_ids = tok.encode(_system_and_developer(tok))
@@ -95,9 +95,9 @@ HARMONY_TEMPLATE = """\
 {%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"""
 
 
-def test_a_chat_template_that_writes_harmony_is_masked_by_parsing_it(harmony_checkpoint,
+def test_a_chat_template_that_writes_harmony_is_masked_by_parsing_it(harmony_tokenizer,
                                                                      tmp_path):
-    shutil.copy(harmony_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    shutil.copy(harmony_tokenizer / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
     tok = HFTokenizer(tmp_path)
     options, messages = HARMONY_CHATS[2]
@@ -135,13 +135,13 @@ def test_a_template_without_harmony_masks_each_reply_as_before(tmp_path):
         assert hf.decode(ids[mask == 1]) == "sat<|end|>the<|end|>"
 
 
-def test_sft_lines_with_reasoning_and_tools_pack_with_the_mask(harmony_checkpoint, tmp_path):
+def test_sft_lines_with_reasoning_and_tools_pack_with_the_mask(harmony_tokenizer, tmp_path):
     lines = [{"messages": m, **o} for o, m in HARMONY_CHATS]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     sft = default_run_config("t", ModelConfig()).sft
     sft.files, sft.validation_fraction = str(tmp_path / "chats.jsonl"), 0.0
     sft.loss_channels = "final"
-    data = make_sft_data(sft, tokenizer_path=str(harmony_checkpoint), seq_len=512,
+    data = make_sft_data(sft, tokenizer_path=str(harmony_tokenizer), seq_len=512,
                          batch_size=1, seed=0)
     tok = data.tokenizer
     rows = data.rows
@@ -189,12 +189,12 @@ def test_loss_channels_are_checked_naming_the_field():
         == {"tools": [WEATHER_TOOL]}
 
 
-def test_a_conversation_the_renderer_refuses_is_named(harmony_checkpoint, tmp_path):
+def test_a_conversation_the_renderer_refuses_is_named(harmony_tokenizer, tmp_path):
     line = {"messages": HARMONY_CHATS[0][1], "tools": [{"type": "function", "function": {}}]}
     (tmp_path / "bad.jsonl").write_text(json.dumps(line) + "\n")
     sft = default_run_config("t", ModelConfig()).sft
     sft.files, sft.validation_fraction = str(tmp_path / "bad.jsonl"), 0.0
     with pytest.raises(ValueError, match=r"SFT conversation .*What is 2 \+ 2.*"
                                          r"tools\[0\].function.name"):
-        make_sft_data(sft, tokenizer_path=str(harmony_checkpoint), seq_len=512, batch_size=1,
+        make_sft_data(sft, tokenizer_path=str(harmony_tokenizer), seq_len=512, batch_size=1,
                       seed=0)
