@@ -261,7 +261,7 @@ def make_harmony_tokenizer(d: Path) -> tokenizers.Tokenizer:
     return tok
 
 
-def make_harmony_checkpoint(d: Path, steps: int = 200) -> Path:
+def make_harmony_checkpoint(d: Path, steps: int = 150) -> Path:
     """A tiny model trained on HARMONY_CHATS until greedy decoding reproduces each reply
     (reasoning, answer, tool call), with make_harmony_tokenizer's tokenizer. Nothing
     downloaded."""
