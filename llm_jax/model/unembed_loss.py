@@ -196,6 +196,28 @@ def _loss_only(h_BTD, w_VD, targets_BT, weights_BT, dtype, c, split):
     return total
 
 
+def token_nll(h_BTD: jax.Array, unembedding_VD: jax.Array, targets_BT: jax.Array, *,
+              dtype: jnp.dtype = jnp.float32, chunk_tokens: int | None = None) -> jax.Array:
+    """float32 nll [B, T] of every target, chunk by chunk as `cross_entropy_sum` forms it (no
+    [B, T, V] logits), for losses that are not a weighted sum of nll (the RL objective). Not
+    differentiated: gradients come from `cross_entropy_sum` with per-token weights."""
+    b, t, _ = h_BTD.shape
+    c = chunk_steps(b, t, chunk_tokens or CHUNK_TOKENS, shard_count(b, "batch"))
+    split = vocab_split(b, unembedding_VD.shape[0])
+    w_VD = _split_weight(jax.lax.stop_gradient(unembedding_VD).astype(jnp.float32), split)
+
+    def body(carry, xs):
+        carry, xs = _after(carry, xs)
+        h, tgt = xs
+        return carry, _chunk_nll(h, w_VD, tgt, jnp.dtype(dtype), split)[2]
+
+    xs = (_split(jax.lax.stop_gradient(h_BTD).astype(jnp.float32), c),
+          _split(targets_BT.astype(jnp.int32), c))
+    _, nll_nBc = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs,
+                              unroll=loop_unroll(xs[1].shape[0]))
+    return jnp.moveaxis(nll_nBc, 0, 1).reshape(b, -1)[:, :t]
+
+
 def chunks_per_group(num_chunks: int, group_chunks: int) -> int:
     """k: chunks per gradient group, at most `group_chunks`, spread evenly over the fewest groups
     (5 chunks in groups of at most 4: two groups of 3, one chunk of padding)."""
