@@ -141,6 +141,21 @@ class Engine:
         self.steps = 0
 
     # ------------------------------------------------------------------ the public side
+    def set_weights(self, model: nnx.Module) -> None:
+        """Decodes with `model`'s current weights from the next step on (after an optimizer
+        update, for RL rollouts): its arrays are used as they are, not copied, except the
+        per-layer slices where this platform slices before decoding. The model's structure
+        (config, LoRA targets) must be the engine's."""
+        graphdef, state = nnx.split(model)
+        if graphdef != self.graphdef:
+            raise ValueError("set_weights: the model's structure differs from the engine's "
+                             "(another config or adapters): build a new Engine")
+        layers = (jax.jit(lambda s: nnx.merge(graphdef, s).layer_states())(state)
+                  if self.layers is not None else None)
+        with self.lock:
+            self.model, self.state, self.layers = model, state, layers
+            self.weights, self.treedef = jax.tree.flatten((state, layers))
+
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming what does not fit this engine."""
         params.check()
