@@ -333,6 +333,7 @@ class Parser:
         self._names = {v: k for k, v in dataclasses.asdict(tokens).items()}
         self._role: str | None = role
         self._header: list[tuple[str, list[int]]] = [("role", [])]  # (part, ids)
+        self._raw: list[int] = []  # every id of the header so far, special tokens included
         self._state = "header"  # header | content | between
         self._decoder: TextDecoder | None = None
 
@@ -346,7 +347,7 @@ class Parser:
         if self._state == "content":
             return self._in_content(token, kind)
         if kind == "start":
-            self._role, self._header, self._state = None, [("role", [])], "header"
+            self._new_header()
             return []
         if kind in ("return_", "call"):  # the turn ends after a closed message
             self.errors.append(f"{SPECIAL_TOKENS[kind]} after <|end|> instead of in its place")
@@ -359,13 +360,9 @@ class Parser:
     def finish(self) -> list[Delta]:
         """Ends the stream (a length limit, or a stop token already pushed): closes what is
         open and returns its held-back text."""
-        if self._state == "header" and any(ids for _, ids in self._header):
-            self.errors.append("the output ended inside a message header")
-            msg = Message(role=self._role or "assistant")
-            out = self._open(msg)
-            text = self.decode([i for _, ids in self._header for i in ids])
-            msg.content += text
-            return out + [Delta(len(self.messages) - 1, msg, text)]
+        if self._state == "header" and self._raw:
+            self.errors.append("the output ended inside a message header (kept as text)")
+            return self._header_as_text(None)
         if self._state == "content":
             if not self.done:
                 self.errors.append("the output ended inside a message")
@@ -377,20 +374,34 @@ class Parser:
     def _in_header(self, token: int, kind: str | None) -> list[Delta]:
         if kind is None:
             self._header[-1][1].append(token)
+            self._raw.append(token)
             return []
         if kind in ("channel", "constrain"):
             self._header.append((kind, []))
+            self._raw.append(token)
             return []
         if kind == "message":
             return self._open(self._parse_header())
         if kind == "start":
-            self.errors.append("a message header was not closed before <|start|>")
-            self._role, self._header = None, [("role", [])]
-            return []
-        # <|end|>, <|return|> or <|call|> before <|message|>: a message with no content
-        self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message header")
-        out = self._open(self._parse_header())
-        return out + self._in_content(token, kind)
+            self.errors.append("a message header was not closed before <|start|> (kept as text)")
+            out = self._header_as_text(None) if self._raw else []
+            self._new_header()
+            return out
+        # <|end|>, <|return|> or <|call|> before <|message|>: what was written is kept as text
+        self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message header (kept as text)")
+        self.done = kind != "end"
+        return self._header_as_text({"end": "end", "return_": "return", "call": "call"}[kind])
+
+    def _new_header(self) -> None:
+        self._role, self._header, self._raw, self._state = None, [("role", [])], [], "header"
+
+    def _header_as_text(self, end: str | None) -> list[Delta]:
+        """A header that never reached <|message|>: a message of no channel holding its text."""
+        out = self._open(Message(role=self._role or "assistant"))
+        for t in self._raw:
+            out += self._in_content(t, None)
+        self._raw = []
+        return out + self._close(end)
 
     def _in_content(self, token: int, kind: str | None) -> list[Delta]:
         if kind in ("end", "return_", "call"):
@@ -399,7 +410,7 @@ class Parser:
         if kind == "start":
             self.errors.append("a message was not closed before <|start|>")
             out = self._close(None)
-            self._role, self._header, self._state = None, [("role", [])], "header"
+            self._new_header()
             return out
         if kind is not None:
             self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message's content (kept)")

@@ -115,8 +115,15 @@ def test_a_character_split_over_tokens_is_never_split_in_a_delta():
     # cut by the length limit inside the content: kept, not closed
     ("<|channel|>final<|message|>2 + 2 =", [("assistant", "final", None, None, "2 + 2 =",
                                              None)], "ended inside a message"),
-    # cut inside a header: the header's text is kept as content
-    ("<|channel|>fin", [("assistant", None, None, None, "fin", None)], "inside a message header"),
+    # cut inside a header: what it wrote is kept as text, special tokens included
+    ("<|channel|>fin", [("assistant", None, None, None, "<|channel|>fin", None)],
+     "inside a message header"),
+    # text and an <|end|> where a header should be (the prompt wrote the role)
+    ("hello<|end|>", [("assistant", None, None, None, "hello", "end")], "inside a message header"),
+    # a header never closed before the next <|start|>
+    ("<|channel|>ana<|start|>assistant<|channel|>final<|message|>ok<|return|>",
+     [("assistant", None, None, None, "<|channel|>ana", None),
+      ("assistant", "final", None, None, "ok", "return")], "not closed before <|start|>"),
     # a special token out of place is kept as its text
     ("<|channel|>final<|message|>a<|message|>b<|return|>",
      [("assistant", "final", None, None, "a<|message|>b", "return")], "inside a message's content"),
