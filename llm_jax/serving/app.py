@@ -386,8 +386,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     e = errors[0]
     if e.get("type") == "json_invalid":
         return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    field = ".".join(loc) or "body"
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    if len(errors) > 1:  # a union's members each failed: name the field, not the members
+        n = 0
+        while n < len(loc) and all(len(x.get("loc", ())) > n + 1
+                                   and x["loc"][n + 1] == loc[n] for x in errors):
+            n += 1
+        loc = loc[:n] or loc
+    field = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    field = field or "body"
     got = e.get("input")
     got = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=repr)[:60]})"
     return f"{field}: {e.get('msg')}{got}", field

@@ -192,7 +192,8 @@ class Output:
     def finish(self, reason: str, input_tokens: int, output_tokens: int,
                reasoning_tokens: int) -> None:
         self.status = "incomplete" if reason == "length" else "completed"
-        self.usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+        self.usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0,
+                                                                  "cache_write_tokens": 0},
                       "output_tokens": output_tokens,
                       "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                       "total_tokens": input_tokens + output_tokens}
