@@ -15,7 +15,9 @@ from llm_jax.serving.replies import HarmonyReply, Item, Piece
 MAX_STOPS = 8  # OpenAI allows 4; a few more cost nothing here
 
 
-class _Request(BaseModel):
+class SamplingRequest(BaseModel):
+    """The fields every generating route takes: length, sampling, stop strings, streaming."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
@@ -34,7 +36,7 @@ class _Request(BaseModel):
         return [s for s in stops if s]
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: text, token ids, or a list of either (one choice each)."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
@@ -122,7 +124,7 @@ ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 ReasoningEffort = Literal["low", "medium", "high"]
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions. On a harmony checkpoint also `tools` (OpenAI's function tools,
     their schemas checked when rendered), `tool_choice` and `reasoning_effort`."""
 

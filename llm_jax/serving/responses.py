@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from llm_jax.serving.protocol import ReasoningEffort, _Request
+from llm_jax.serving.protocol import ReasoningEffort, SamplingRequest
 from llm_jax.serving.replies import Item, Piece
 
 
@@ -40,7 +40,7 @@ class FunctionChoice(BaseModel):
     name: StrictStr = Field(min_length=1)
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(SamplingRequest):
     """POST /v1/responses."""
 
     input: StrictStr | list[dict[str, Any]]
@@ -49,6 +49,7 @@ class ResponsesRequest(_Request):
     tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
     reasoning: Reasoning | None = None
     max_output_tokens: StrictInt | None = Field(None, ge=1)
+    previous_response_id: StrictStr | None = None  # refused: nothing is stored
 
     def forced(self) -> str | None:
         c = self.tool_choice
@@ -98,6 +99,9 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's instructions and input as chat messages (the harmony shape:
     reasoning_content, tool_calls, tool results by tool_call_id). Raises ValueError naming a
     bad field, e.g. "input[2].call_id"."""
+    if body.previous_response_id is not None:
+        raise ValueError("previous_response_id: this server stores no responses: send the "
+                         "earlier output items in `input`")
     out: list[dict[str, Any]] = []
     if body.instructions:
         out.append({"role": "system", "content": body.instructions})
@@ -192,8 +196,8 @@ class Output:
     def finish(self, reason: str, input_tokens: int, output_tokens: int,
                reasoning_tokens: int) -> None:
         self.status = "incomplete" if reason == "length" else "completed"
-        self.usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0,
-                                                                  "cache_write_tokens": 0},
+        cache = {"cached_tokens": 0, "cache_write_tokens": 0}
+        self.usage = {"input_tokens": input_tokens, "input_tokens_details": cache,
                       "output_tokens": output_tokens,
                       "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                       "total_tokens": input_tokens + output_tokens}

@@ -2,7 +2,8 @@
 calls land in their fields, streamed pieces add up to the finished reply, malformed output
 (a channel never closed, an unknown recipient, bad JSON arguments, the length limit mid-message)
 still makes a well-formed reply with the raw text kept, stop strings cut the answer only, and
-the chat deltas and Responses events have the shapes the `openai` client's own types accept."""
+the chat deltas and Responses events have the shapes the `openai` client's own types accept;
+and messages reshaped for a checkpoint's own gpt-oss chat template."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from llm_jax.data import harmony
 from llm_jax.serving import protocol
+from llm_jax.serving.prompts import template_messages
 from llm_jax.serving.replies import HarmonyReply, PlainReply
 from llm_jax.serving.responses import Output, ResponsesRequest
 
@@ -206,3 +208,19 @@ def test_responses_events_and_response_have_the_openai_clients_shapes(text, limi
     if limit:
         assert final.incomplete_details.reason == "max_output_tokens"
         assert final.output[-1].status == "incomplete"
+
+
+def test_messages_are_reshaped_for_transformers_gpt_oss_template():
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "reasoning_content": "Need it.",
+                 "tool_calls": [{"id": "c", "type": "function", "function": {
+                     "name": "w", "arguments": '{"city": "Paris"}'}},
+                                {"id": "d", "type": "function", "function": {
+                                    "name": "v", "arguments": "not json"}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "20"}]
+    out = template_messages(messages)
+    assert out[1]["thinking"] == "Need it." and "reasoning_content" not in out[1]
+    assert [c["function"]["arguments"] for c in out[1]["tool_calls"]] == [
+        {"city": "Paris"}, "not json"]
+    assert out[0] == messages[0] and out[2] == messages[2]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'

@@ -300,6 +300,7 @@ BAD = [  # (route, body, param named in the error)
     ("responses", {"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
     ("responses", {"input": "hi", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ("responses", {"input": 5}, "input"),
+    ("responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
 ]
 
 
