@@ -123,9 +123,9 @@ class _Stream:
         def on_token(seq: Sequence, token: int | None) -> bool:
             if token is None:
                 pieces = reply.finish()
-                if reply.errors:
+                if errors := reply.malformed(seq.finish_reason):
                     log.warning("malformed model output (kept as text): %s",
-                                "; ".join(reply.errors[:4]))
+                                "; ".join(errors[:4]))
                 self.mailbox.post(self.queue, (index, pieces, seq.finish_reason))
                 return True
             pieces = reply.push(token)

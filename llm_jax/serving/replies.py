@@ -12,7 +12,7 @@ the answer text only.
 
 Malformed output never raises: a channel never closed ends with the output, a message header
 cut short becomes answer text, a call's arguments are kept as written (JSON or not), and
-`errors` lists what was wrong (the server logs it).
+`malformed` lists what was wrong (the server logs it).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ class PlainReply:
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
         self.text = StopText(decode, stop)
         self.items = [Item("text")]
-        self.errors: list[str] = []
         self._started = False
 
     @property
@@ -80,6 +79,9 @@ class PlainReply:
     def finish_reason(self, engine_reason: str | None) -> str:
         return engine_reason or "length"
 
+    def malformed(self, engine_reason: str | None) -> list[str]:
+        return []
+
 
 class HarmonyReply:
     """A harmony reply's items, parsed from its tokens. `prefill`: ids the prompt already holds
@@ -93,6 +95,7 @@ class HarmonyReply:
         self._of: dict[int, int] = {}  # parser message index -> item index
         self._cuts: dict[int, StopCut] = {}  # answer item -> its stop strings
         self._cut_short = False
+        self._errors_at_finish = 0
         self._pending: list[Piece] = []
         for t in prefill:
             self._pending += self._take(self.parser.push(int(t)))
@@ -110,7 +113,15 @@ class HarmonyReply:
         out, self._pending = self._pending + self._take(self.parser.push(token)), []
         return out + self._close_finished()
 
+    def malformed(self, engine_reason: str | None) -> list[str]:
+        """What was wrong with the output. A reply that the length limit or a stop string cut
+        short did not end inside a message by its own fault."""
+        if engine_reason == "length" or self._cut_short:
+            return self.parser.errors[:self._errors_at_finish]
+        return self.parser.errors
+
     def finish(self) -> list[Piece]:
+        self._errors_at_finish = len(self.parser.errors)
         out, self._pending = self._pending + self._take(self.parser.finish()), []
         return out + [self._end(i) for i, item in enumerate(self.items) if not item.done]
 
