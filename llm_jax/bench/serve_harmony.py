@@ -12,7 +12,8 @@ which streams nothing). The raw contender sends the same prompt ids (rendered he
 llm_jax/serving/prompts.py) to /v1/completions: the same greedy tokens, decoded by `StopText`
 alone. Every request makes exactly new_tokens (each stream must end with finish_reason
 "length"); throughput = requests x new_tokens / (first byte sent to last event), the two
-contenders alternating, medians.
+contenders alternating, medians. Beside it, the in-process cost per token of building a reply
+(`PlainReply` against `HarmonyReply`, best of repeats), which a loaded host cannot blur.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from llm_jax.inference.loop import bucket
 from llm_jax.inference.tokenizer import load_tokenizer
 from llm_jax.model import init_model
 from llm_jax.serving.prompts import chat_prompt
+from llm_jax.serving.replies import HarmonyReply, PlainReply
 from llm_jax.training.run_config import model_config
 from llm_jax.weights.writers import save_llm_jax
 
@@ -90,6 +92,26 @@ async def _load(url: str, path: str, bodies: list[dict[str, Any]], new_tokens: i
     return len(bodies) * new_tokens / (max(o["last"] for o in out) - t0)
 
 
+def parse_cost(tok, repeats: int) -> dict[str, float]:
+    """Microseconds per token of turning tokens into a reply in-process, best of `repeats`:
+    `PlainReply` (what raw serving does) and `HarmonyReply` (that, plus harmony's parser), on
+    one long final-channel message."""
+    body = " ".join(WORDS * 20)
+    ids = tok.encode(f"<|channel|>final<|message|>{body}<|return|>")
+    out = {}
+    for name, make in (("plain", lambda: PlainReply(tok.decode)),
+                       ("harmony", lambda: HarmonyReply(tok.harmony, tok.decode))):
+        best = float("inf")
+        for _ in range(max(3, repeats)):
+            reply, t0 = make(), time.perf_counter()
+            for i in ids:
+                reply.push(i)
+            reply.finish()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = best / len(ids) * 1e6
+    return out
+
+
 def run(*, repeats: int = 5, quick: bool = False, requests: int = 16,
         new_tokens: int = 128) -> dict[str, Any]:
     cfg = model_config(tiny_run_config())
@@ -102,6 +124,7 @@ def run(*, repeats: int = 5, quick: bool = False, requests: int = 16,
         cfg = cfg.replace(vocab_size=harmony_tokenizer(ckpt, vocab))
         save_llm_jax(init_model(cfg, 0), ckpt)
         tok = load_tokenizer(ckpt)
+        cost = parse_cost(tok, repeats)
         chats = [[{"role": "user", "content": " ".join(WORDS[: 4 + 3 * i % len(WORDS)])}]
                  for i in range(requests)]
         choice = {"type": "function", "function": {"name": "lookup"}}
@@ -127,7 +150,8 @@ def run(*, repeats: int = 5, quick: bool = False, requests: int = 16,
             "requests": requests, "new_tokens": new_tokens, "repeats": repeats,
             "prompt_lengths": [len(p) for p in prompts], "runs_tokens_per_s": runs,
             "parsed_tokens_per_s": result["parsed"], "raw_tokens_per_s": result["raw"],
-            "parsed_over_raw": result["parsed"] / result["raw"]}
+            "parsed_over_raw": result["parsed"] / result["raw"],
+            "parse_us_per_token": cost}
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -137,7 +161,9 @@ def format_result(r: dict[str, Any]) -> str:
         f"{r['requests']} streaming requests x {r['new_tokens']} tokens, prompts "
         f"{min(r['prompt_lengths'])}-{max(r['prompt_lengths'])} tokens",
         table(["", "tok/s end to end"], rows),
-        f"parsed / raw: {r['parsed_over_raw']:.3f}"])
+        f"parsed / raw: {r['parsed_over_raw']:.3f}",
+        f"in-process reply building per token: plain {r['parse_us_per_token']['plain']:.1f} us, "
+        f"harmony {r['parse_us_per_token']['harmony']:.1f} us"])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

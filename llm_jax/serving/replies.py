@@ -94,6 +94,7 @@ class HarmonyReply:
         self.items: list[Item] = []
         self._of: dict[int, int] = {}  # parser message index -> item index
         self._cuts: dict[int, StopCut] = {}  # answer item -> its stop strings
+        self._open: tuple[harmony.Message, int] | None = None  # the open message, its item
         self._cut_short = False
         self._errors_at_finish = 0
         self._pending: list[Piece] = []
@@ -110,8 +111,10 @@ class HarmonyReply:
         return self.parser.errors
 
     def push(self, token: int) -> list[Piece]:
-        out, self._pending = self._pending + self._take(self.parser.push(token)), []
-        return out + self._close_finished()
+        out = self._take(self.parser.push(token))
+        if self._pending:
+            out, self._pending = self._pending + out, []
+        return out
 
     def malformed(self, engine_reason: str | None) -> list[str]:
         """What was wrong with the output. A reply that the length limit or a stop string cut
@@ -123,7 +126,7 @@ class HarmonyReply:
     def finish(self) -> list[Piece]:
         self._errors_at_finish = len(self.parser.errors)
         out, self._pending = self._pending + self._take(self.parser.finish()), []
-        return out + [self._end(i) for i, item in enumerate(self.items) if not item.done]
+        return out + [self._end(k) for k, item in enumerate(self.items) if not item.done]
 
     def finish_reason(self, engine_reason: str | None) -> str:
         """"length" when cut by the token limit, "tool_calls" when the reply holds a call, else
@@ -154,21 +157,26 @@ class HarmonyReply:
         out = []
         for d in deltas:
             k = self._of.get(d.index)
-            if k is None:
+            if k is None:  # a new message: the one before it has ended
+                if self._open is not None:
+                    out.append(self._end(self._open[1]))
                 k = self._of[d.index] = len(self.items)
                 self.items.append(self._item(d.message))
+                self._open = (d.message, k)
                 out.append(Piece(k, self.items[k].kind, start=True))
             item = self.items[k]
             if item.done:
                 continue
             text = d.text
-            if item.kind == "text":
+            if item.kind == "text" and self.stop:
                 cut = self._cuts.setdefault(k, StopCut(self.stop))
                 text = cut.push(text)
                 self._cut_short |= cut.stopped
             if text:
                 item.text += text
                 out.append(Piece(k, item.kind, text))
+        if self._open is not None and self._open[0].end is not None:  # closed by its token
+            out.append(self._end(self._open[1]))
         return out
 
     def _item(self, m: harmony.Message) -> Item:
@@ -177,15 +185,10 @@ class HarmonyReply:
                         call_id=call_id(), channel=m.channel)
         return Item("text" if harmony.is_answer(m) else "reasoning", channel=m.channel)
 
-    def _close_finished(self) -> list[Piece]:
-        """Ends the items whose message closed (or that a later message followed)."""
-        last = len(self.parser.messages) - 1
-        return [self._end(k) for i, k in self._of.items()
-                if not self.items[k].done
-                and (self.parser.messages[i].end is not None or i < last)]
-
     def _end(self, k: int) -> Piece:
         item = self.items[k]
+        if self._open is not None and self._open[1] == k:
+            self._open = None
         rest = self._cuts[k].finish() if k in self._cuts else ""
         item.text += rest
         item.done = True
