@@ -106,10 +106,6 @@ class HarmonyReply:
         """The turn ended (`<|return|>` / `<|call|>`) or the answer reached a stop string."""
         return self.parser.done or self._cut_short
 
-    @property
-    def errors(self) -> list[str]:
-        return self.parser.errors
-
     def push(self, token: int) -> list[Piece]:
         out = self._take(self.parser.push(token))
         if self._pending:
