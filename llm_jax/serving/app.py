@@ -184,9 +184,12 @@ def _sse(obj: Any) -> str:
 async def _events(server: Server, stream: _Stream, rid: str, chat: bool) -> AsyncIterator[str]:
     name = server.model_name
     try:
-        if chat:
-            yield _sse(protocol.chunk(rid, name, [{"index": 0, "delta": {"role": "assistant",
-                       "content": ""}, "finish_reason": None, "logprobs": None}], chat))
+        if chat:  # a harmony reply may have no content at all (a call): null, as unsent
+            first = {"role": "assistant"} if isinstance(stream.replies[0], HarmonyReply) \
+                else {"role": "assistant", "content": ""}
+            yield _sse(protocol.chunk(rid, name, [{"index": 0, "delta": first,
+                                                   "finish_reason": None, "logprobs": None}],
+                                      chat))
         left = len(stream.seqs)
         while left:
             index, pieces, reason = await stream.queue.get()

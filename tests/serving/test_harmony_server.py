@@ -331,3 +331,20 @@ def test_every_body_of_every_content_type_gets_json_never_a_500(server, content_
                 assert r.json()["error"]["message"], r.text
             if content_type and "json" not in content_type and body:
                 assert r.status_code == 415 and "application/json" in r.text, r.text
+
+
+def test_the_openai_stream_helpers_assemble_the_same_reply(client):
+    options, conversation = HARMONY_CHATS[1]
+    want = learned(conversation)
+    with client.responses.stream(model="h", input=response_input(conversation[:-1]),
+                                 max_output_tokens=NEW, temperature=0,
+                                 **response_options(options)) as stream:
+        for _ in stream:
+            pass
+        assert got_output(stream.get_final_response().output) == want
+    with client.chat.completions.stream(model="h", messages=conversation[:-1], max_tokens=NEW,
+                                        temperature=0, **options) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert got_message(final.message) == want and final.finish_reason == "tool_calls"
