@@ -3,7 +3,8 @@ calls land in their fields, streamed pieces add up to the finished reply, malfor
 (a channel never closed, an unknown recipient, bad JSON arguments, the length limit mid-message)
 still makes a well-formed reply with the raw text kept, stop strings cut the answer only, and
 the chat deltas and Responses events have the shapes the `openai` client's own types accept;
-and messages reshaped for a checkpoint's own gpt-oss chat template."""
+and prompts: tools offered or not, a forced call's header, messages reshaped for a checkpoint's own
+gpt-oss chat template."""
 
 from __future__ import annotations
 
@@ -225,3 +226,27 @@ def test_messages_are_reshaped_for_transformers_gpt_oss_template():
         {"city": "Paris"}, "not json"]
     assert out[0] == messages[0] and out[2] == messages[2]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+def test_the_prompt_offers_the_tools_and_forces_a_call_as_tool_choice_says():
+    from llm_jax.inference.tokenizer import CheckpointTokenizer
+    from llm_jax.serving.prompts import chat_prompt
+
+    tok = CheckpointTokenizer(encode, decode, 256 + 16, None, None, frozenset(), None, TOKENS)
+    tool = {"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [{"role": "user", "content": "Weather?"}]
+    render = harmony.render_conversation
+    assert chat_prompt(tok, messages, tools=[tool]).ids == encode(render(messages, tools=[tool]))
+    assert chat_prompt(tok, messages, tools=[tool], offer_tools=False).ids == encode(
+        render(messages))
+    assert chat_prompt(tok, messages, reasoning_effort="high").ids == encode(
+        render(messages, reasoning_effort="high"))
+    named = chat_prompt(tok, messages, tools=[tool], forced="w")
+    header = "<|channel|>commentary to=functions.w <|constrain|>json<|message|>"
+    assert named.prefill == encode(header)
+    assert named.ids == encode(render(messages, tools=[tool])) + encode(header)
+    assert decode(chat_prompt(tok, messages, tools=[tool], forced="").prefill) == (
+        "<|channel|>commentary to=functions.")
+    with pytest.raises(ValueError, match=r"^tool_choice.function.name: 'x'"):
+        chat_prompt(tok, messages, tools=[tool], forced="x")
