@@ -5,7 +5,9 @@
         [--warmup all|short|none]
 
 The checkpoint is any directory `llm_jax.load_pretrained` reads; its tokenizer and chat
-template come from the same directory (llm_jax/inference/tokenizer.py). The routes are in
+template come from the same directory (llm_jax/inference/tokenizer.py). A tokenizer with
+harmony's special tokens (gpt-oss) makes chat and /v1/responses parse replies into answer,
+reasoning and tool calls and take tools, tool_choice and the reasoning effort. The routes are in
 llm_jax/serving/app.py, the continuous batching in llm_jax/inference/engine.py (docs/generation.md).
 """
 

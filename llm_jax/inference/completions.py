@@ -67,7 +67,9 @@ def generate_until(model_or_engine: nnx.Module | Engine, requests: Sequence[Gene
     seqs = []
     for r, text in zip(requests, texts):
         def listen(seq, token, text=text):
-            if token is not None:
+            if token is None:  # the end: a trailing partial character is text too
+                text.finish()
+            else:
                 text.push(token)
             return text.stopped
         seqs.append(EngineSequence(list(r.prompt), r.params(), listen))

@@ -4,7 +4,10 @@ first stop string.
 Decoding ids one at a time can end inside a character (byte-fallback and byte-level BPE tokens
 carry UTF-8 bytes; the partial character decodes as U+FFFD) or inside what may become a stop
 string. `StopText.push` returns only the text past both, so a stream never shows a stop string
-or half a character, and the text a stream shows equals the final text.
+or half a character, and the text a stream shows equals the final text. `finish` releases
+what was held back: bytes that never formed a character end the text as the tokenizer decodes
+them (U+FFFD), so the final text is the decode of every token (cut at a stop string).
+`StopCut` is the stop-string half alone, for text that arrives already decoded.
 """
 
 from __future__ import annotations
@@ -77,6 +80,39 @@ class StopText:
                   default=-1)
         if cut >= 0:
             self.text, self.stopped = self.text[:cut], True
+
+    def _release(self, upto: int) -> str:
+        out = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return out
+
+
+class StopCut:
+    """Stop strings over text that arrives in pieces: `push(text)` -> the newly final text,
+    holding back a tail that may start a stop string; `stopped` once one appeared (the text
+    ends before it); `finish()` -> the rest."""
+
+    def __init__(self, stop: Sequence[str] = ()):
+        self.stop = [s for s in stop if s]
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, new: str) -> str:
+        if self.stopped or not new:
+            return ""
+        start = len(self.text)
+        self.text += new
+        cut = min((i for s in self.stop
+                   if (i := self.text.find(s, max(self.sent, start - len(s) + 1))) >= 0),
+                  default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            return self._release(cut)
+        return self._release(len(self.text) - _held_back(self.text[self.sent:], self.stop))
+
+    def finish(self) -> str:
+        return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:
         out = self.text[self.sent:upto] if upto > self.sent else ""

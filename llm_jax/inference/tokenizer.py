@@ -58,6 +58,12 @@ class CheckpointTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None or self.harmony is not None
 
+    @property
+    def has_own_template(self) -> bool:
+        """Whether `render` uses the checkpoint's own chat template (rather than harmony's
+        renderer): the messages then need that template's field names."""
+        return self._template is not None
+
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text))
 

@@ -4,15 +4,20 @@
     GET  /v1/models            the one model served
     POST /v1/completions       text or token-id prompts (a list of them: one choice each)
     POST /v1/chat/completions  messages through the checkpoint's chat template
+    POST /v1/responses         the Responses API (llm_jax/serving/responses.py)
 
-Both POST routes take max_tokens, temperature, top_p, stop, seed and stream (server-sent events
-ending with `data: [DONE]`). The engine steps in its own thread; each request's tokens are
-turned into text there by `StopText` (so a stop string never reaches the client) and reach the
-event loop through one `Mailbox` (one wake-up per batch of events). Errors are OpenAI error
-objects: 400 for a bad request (malformed JSON, a wrong type, a prompt that does not fit, no
-chat template), 429 when the queue is full, 503 while shutting down, 504 past the request
-timeout. A client that goes away cancels its sequences, which frees their slots at the next
-step.
+The POST routes take max_tokens (max_output_tokens), temperature, top_p, stop, seed and stream
+(server-sent events; chat and completions end with `data: [DONE]`). On a checkpoint whose
+tokenizer speaks harmony (gpt-oss), chat and responses also take `tools`, `tool_choice` and the
+reasoning effort (llm_jax/serving/prompts.py), and the reply is parsed into answer, reasoning
+and tool calls (llm_jax/serving/replies.py): chat's `message.content`, `reasoning_content` and
+`tool_calls`, streamed as deltas of each. The engine steps in its own thread; each request's
+tokens become its reply there (so a stop string never reaches the client) and reach the event
+loop through one `Mailbox` (one wake-up per batch of events). Errors are OpenAI error objects:
+400 for a bad request (malformed JSON, a wrong type, a prompt that does not fit, no chat
+template, a bad tool schema), 415 for a body that is not sent as JSON, 429 when the queue is
+full, 503 while shutting down, 504 past the request timeout. A client that goes away cancels
+its sequences, which frees their slots at the next step.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import dataclasses
 import json
 import logging
 import random
+import re
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,10 +40,12 @@ from starlette.exceptions import HTTPException
 
 from llm_jax.inference.engine import Engine
 from llm_jax.inference.requests import EngineClosed, QueueFull, SamplingParams, Sequence
-from llm_jax.inference.stops import StopText
 from llm_jax.inference.tokenizer import CheckpointTokenizer
-from llm_jax.serving import protocol
+from llm_jax.serving import protocol, responses
+from llm_jax.serving.prompts import chat_prompt
 from llm_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from llm_jax.serving.replies import HarmonyReply, Piece, PlainReply
+from llm_jax.serving.responses import ResponsesRequest
 
 log = logging.getLogger(__name__)
 
@@ -96,37 +104,46 @@ class Mailbox:
             queue.put_nowait(event)
 
 
-class _Stream:
-    """One HTTP request's sequences: their text, and their events on the event loop's queue as
-    (choice index, new text, finish reason or None)."""
+Reply = PlainReply | HarmonyReply
 
-    def __init__(self, server: Server, stop: list[str], n: int):
+
+class _Stream:
+    """One HTTP request's sequences: their replies, and their events on the event loop's queue
+    as (choice index, pieces, the engine's finish reason or None)."""
+
+    def __init__(self, server: Server, replies: list[Reply]):
         self.mailbox = server.mailbox()
-        self.queue: asyncio.Queue[tuple[int, str, str | None]] = asyncio.Queue()
-        decode = server.tokenizer.decode if server.tokenizer else (
-            lambda ids: "".join(f" {i}" for i in ids))
-        self.texts = [StopText(decode, stop) for _ in range(n)]
+        self.queue: asyncio.Queue[tuple[int, list[Piece], str | None]] = asyncio.Queue()
+        self.replies = replies
         self.seqs: list[Sequence] = []
 
     def listener(self, index: int):
-        text = self.texts[index]
+        reply = self.replies[index]
 
         def on_token(seq: Sequence, token: int | None) -> bool:
             if token is None:
-                event = (index, text.finish(), seq.finish_reason)
-            else:
-                delta = text.push(token)
-                if not delta:
-                    return text.stopped
-                event = (index, delta, None)
-            self.mailbox.post(self.queue, event)
-            return text.stopped
+                pieces = reply.finish()
+                if errors := reply.malformed(seq.finish_reason):
+                    log.warning("malformed model output (kept as text): %s",
+                                "; ".join(errors[:4]))
+                self.mailbox.post(self.queue, (index, pieces, seq.finish_reason))
+                return True
+            pieces = reply.push(token)
+            if pieces:
+                self.mailbox.post(self.queue, (index, pieces, None))
+            return reply.stopped
 
         return on_token
 
     def cancel(self) -> None:
         for seq in self.seqs:
             seq.cancel()
+
+
+def _plain_replies(server: Server, stop: list[str], n: int) -> list[Reply]:
+    decode = server.tokenizer.decode if server.tokenizer else (
+        lambda ids: "".join(f" {i}" for i in ids))
+    return [PlainReply(decode, stop) for _ in range(n)]
 
 
 def _params(body, max_tokens: int, stop_ids: frozenset[int]) -> SamplingParams:
@@ -167,19 +184,35 @@ def _sse(obj: Any) -> str:
 async def _events(server: Server, stream: _Stream, rid: str, chat: bool) -> AsyncIterator[str]:
     name = server.model_name
     try:
-        if chat:
-            yield _sse(protocol.chunk(rid, name, [{"index": 0, "delta": {"role": "assistant",
-                       "content": ""}, "finish_reason": None, "logprobs": None}], chat))
+        if chat:  # a harmony reply may have no content at all (a call): null, as unsent
+            first = {"role": "assistant"} if isinstance(stream.replies[0], HarmonyReply) \
+                else {"role": "assistant", "content": ""}
+            yield _sse(protocol.chunk(rid, name, [{"index": 0, "delta": first,
+                                                   "finish_reason": None, "logprobs": None}],
+                                      chat))
         left = len(stream.seqs)
         while left:
-            index, delta, reason = await stream.queue.get()
+            index, pieces, reason = await stream.queue.get()
             if reason in FAILURES:
                 seq = stream.seqs[index]
                 yield _sse(error_body(_failure_message(server, seq), "server_error"))
                 return
-            if delta or reason:
-                yield _sse(protocol.chunk(rid, name, [protocol.choice(index, delta, reason, chat,
-                                                                      True)], chat))
+            reply = stream.replies[index]
+            finish = reply.finish_reason(reason) if reason else None
+            if isinstance(reply, HarmonyReply):
+                deltas = protocol.harmony_deltas(reply, pieces)
+                if finish:
+                    deltas.append({})
+                for j, delta in enumerate(deltas):
+                    last = finish if j == len(deltas) - 1 else None
+                    yield _sse(protocol.chunk(rid, name, [{
+                        "index": index, "delta": delta, "finish_reason": last,
+                        "logprobs": None}], chat))
+            else:
+                delta = "".join(p.text for p in pieces)
+                if delta or reason:
+                    yield _sse(protocol.chunk(rid, name, [protocol.choice(
+                        index, delta, finish, chat, True)], chat))
             left -= reason is not None
         yield "data: [DONE]\n\n"
     finally:  # the client is gone or the stream ended: free the slots either way
@@ -215,22 +248,129 @@ async def _collect(server: Server, stream: _Stream, request: Request) -> list[st
     return reasons  # type: ignore[return-value]
 
 
-async def _respond(server: Server, request: Request, body, prompts: list[list[int]],
-                   max_tokens: int | None, chat: bool):
+def _stop_ids(server: Server, replies: list[Reply]) -> frozenset[int]:
+    """The tokens that end a sequence in the engine. A harmony reply's own parser ends the turn
+    at <|return|> / <|call|> (it needs to see which), so they are not among them."""
     tok = server.tokenizer
-    stop_ids = tok.stop_ids if tok is not None else frozenset()
-    stream = _Stream(server, body.stops(), len(prompts))
-    _submit(server, stream, prompts, body, max_tokens, stop_ids)
+    if tok is None:
+        return frozenset()
+    if tok.harmony is not None and isinstance(replies[0], HarmonyReply):
+        return tok.stop_ids - tok.harmony.stops
+    return tok.stop_ids
+
+
+def _start(server: Server, replies: list[Reply], body, prompts: list[list[int]],
+           max_tokens: int | None) -> _Stream:
+    stream = _Stream(server, replies)
+    _submit(server, stream, prompts, body, max_tokens, _stop_ids(server, replies))
+    return stream
+
+
+async def _respond(server: Server, request: Request, body, prompts: list[list[int]],
+                   max_tokens: int | None, chat: bool, replies: list[Reply]):
+    stream = _start(server, replies, body, prompts, max_tokens)
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
     if body.stream:
         return StreamingResponse(_events(server, stream, rid, chat),
                                  media_type="text/event-stream")
     reasons = await _collect(server, stream, request)
-    choices = [protocol.choice(i, t.text, r, chat, False)
-               for i, (t, r) in enumerate(zip(stream.texts, reasons))]
+    choices = []
+    for i, (reply, reason) in enumerate(zip(replies, reasons)):
+        if isinstance(reply, HarmonyReply):
+            choices.append({"index": i, "message": protocol.harmony_message(reply),
+                            "finish_reason": reply.finish_reason(reason), "logprobs": None})
+        else:
+            choices.append(protocol.choice(i, reply.text.text, reply.finish_reason(reason),
+                                           chat, False))
     return JSONResponse(protocol.completion(
         rid, server.model_name, choices, sum(len(p) for p in prompts),
         sum(len(s.tokens) for s in stream.seqs), chat))
+
+
+def _chat_replies(server: Server, stop: list[str], prefill: list[int]) -> list[Reply]:
+    tok = server.tokenizer
+    if tok is not None and tok.harmony is not None:
+        return [HarmonyReply(tok.harmony, tok.decode, stop, prefill)]
+    return _plain_replies(server, stop, 1)
+
+
+async def _responses(server: Server, request: Request, body: ResponsesRequest):
+    tok = server.tokenizer
+    if tok is None:
+        raise ApiError(400, "this checkpoint has no tokenizer, so no chat template: use "
+                       "/v1/completions with token ids")
+    try:
+        messages = responses.input_messages(body)
+        if tok.harmony is None:
+            if body.tools:
+                raise ValueError("tools: this checkpoint does not speak harmony, so it cannot "
+                                 "call tools")
+            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        prompt = chat_prompt(tok, messages, tools=body.chat_tools(),
+                             offer_tools=body.tool_choice != "none", forced=body.forced(),
+                             reasoning_effort=body.effort())
+    except ValueError as e:
+        raise _bad(e, responses_tools=True) from None
+    except Exception as e:  # a template's raise_exception (e.g. roles out of order)
+        raise ApiError(400, f"the chat template refused these messages: {e}",
+                       param="input") from None
+    replies = _chat_replies(server, [], prompt.prefill)
+    stream = _start(server, replies, body, [prompt.ids], body.max_output_tokens)
+    reply = replies[0]
+    out = responses.Output(body, server.model_name, reply.items, tok.harmony is not None)
+
+    def finish(reason: str) -> None:
+        seq = stream.seqs[0]
+        thought = reply.reasoning_tokens() if isinstance(reply, HarmonyReply) else 0
+        out.finish(reason, len(prompt.ids), len(seq.tokens), thought)
+
+    if not body.stream:
+        (reason,) = await _collect(server, stream, request)
+        finish(reason)
+        return JSONResponse(out.response())
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for e in out.opening():
+                yield _sse_event(e)
+            while True:
+                _, pieces, reason = await stream.queue.get()
+                if reason in FAILURES:
+                    yield _sse_event({"type": "error", "sequence_number": out.seq,
+                                      "code": "server_error", "param": None,
+                                      "message": _failure_message(server, stream.seqs[0])})
+                    return
+                if reason is not None:
+                    finish(reason)
+                for piece in pieces:
+                    for e in out.events(piece):
+                        yield _sse_event(e)
+                if reason is not None:
+                    for e in out.closing():
+                        yield _sse_event(e)
+                    return
+        finally:
+            stream.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse_event(obj: dict[str, Any]) -> str:
+    return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n"
+
+
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
+
+
+def _bad(e: ValueError, responses_tools: bool = False) -> ApiError:
+    """A 400 for a request the renderers refused, `param` the field their message names."""
+    message = str(e)
+    m = _FIELD.match(message)
+    param = m.group(1) if m else None
+    if responses_tools and param and param.startswith("tools["):  # Responses' flat tools
+        param = re.sub(r"^(tools\[\d+\])\.function", r"\1", param)
+        message = param + message[m.end(1):]  # type: ignore[union-attr]
+    return ApiError(400, message, param=param)
 
 
 def _encode(server: Server, prompt: str | list[int]) -> list[int]:
@@ -249,11 +389,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     e = errors[0]
     if e.get("type") == "json_invalid":
         return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    field = ".".join(loc) or "body"
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    if len(errors) > 1:  # a union's members each failed: name the field, not the members
+        n = 0
+        while n < len(loc) and all(len(x.get("loc", ())) > n + 1
+                                   and x["loc"][n + 1] == loc[n] for x in errors):
+            n += 1
+        loc = loc[:n] or loc
+    field = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    field = field or "body"
     got = e.get("input")
-    got = "" if isinstance(got, dict) else f" (got {json.dumps(got)[:60]})"
+    got = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=repr)[:60]})"
     return f"{field}: {e.get('msg')}{got}", field
+
+
+def _not_json(exc: RequestValidationError) -> bool:
+    """Whether the body reached validation as raw bytes: FastAPI parses JSON only when the
+    Content-Type says so (application/json, */*+json, or none at all)."""
+    return any(isinstance(e.get("input"), (bytes, bytearray)) for e in exc.errors())
 
 
 def create_app(server: Server) -> FastAPI:
@@ -272,6 +425,10 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):
+        if _not_json(exc):
+            kind = request.headers.get("content-type", "")
+            return ApiError(415, f"the body must be JSON sent with Content-Type: "
+                            f"application/json, got Content-Type: {kind[:60]}").response()
         message, field = _validation_message(exc)
         return ApiError(400, message, param=field).response()
 
@@ -300,25 +457,35 @@ def create_app(server: Server) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         try:
             prompts = [_encode(server, p) for p in body.prompts()]
-            body.stops()
+            stop = body.stops()
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        return await _respond(server, request, body, prompts, body.max_tokens, chat=False)
+        return await _respond(server, request, body, prompts, body.max_tokens, False,
+                              _plain_replies(server, stop, len(prompts)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if server.tokenizer is None:
+        tok = server.tokenizer
+        if tok is None:
             raise ApiError(400, "this checkpoint has no tokenizer, so no chat template: use "
                            "/v1/completions with token ids")
         try:
-            text = server.tokenizer.render([m.as_dict() for m in body.messages])
-            body.stops()
+            stop = body.stops()
+            harmony = tok.harmony is not None
+            prompt = chat_prompt(
+                tok, [m.as_harmony() if harmony else m.as_dict() for m in body.messages],
+                tools=body.tools, offer_tools=body.tool_choice != "none",
+                forced=body.forced(), reasoning_effort=body.reasoning_effort)
         except ValueError as e:
-            raise ApiError(400, str(e)) from None
+            raise _bad(e) from None
         except Exception as e:  # a template's raise_exception (e.g. roles out of order)
             raise ApiError(400, f"the chat template refused these messages: {e}",
                            param="messages") from None
-        return await _respond(server, request, body, [server.tokenizer.encode(text)],
-                              body.limit(), chat=True)
+        return await _respond(server, request, body, [prompt.ids], body.limit(), True,
+                              _chat_replies(server, stop, prompt.prefill))
+
+    @app.post("/v1/responses")
+    async def responses_route(body: ResponsesRequest, request: Request):
+        return await _responses(server, request, body)
 
     return app

@@ -10,10 +10,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from llm_jax.serving.replies import HarmonyReply, Item, Piece
+
 MAX_STOPS = 8  # OpenAI allows 4; a few more cost nothing here
 
 
-class _Request(BaseModel):
+class SamplingRequest(BaseModel):
+    """The fields every generating route takes: length, sampling, stop strings, streaming."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
@@ -32,7 +36,7 @@ class _Request(BaseModel):
         return [s for s in stops if s]
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: text, token ids, or a list of either (one choice each)."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
@@ -53,26 +57,92 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr = Field(min_length=1)
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    """An earlier assistant message's tool call, as the OpenAI API writes it."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None  # a tool result's function
+    tool_call_id: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: StrictStr | None = None  # an assistant's chain of thought (vLLM's field)
+    reasoning: StrictStr | None = None  # the same, as some clients name it
 
-    def as_dict(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": self.role, "content": content or ""}
+        return content or ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """What a chat template reads: the role and the text."""
+        return {"role": self.role, "content": self.text()}
+
+    def as_harmony(self) -> dict[str, Any]:
+        """Everything harmony renders: also reasoning, tool calls and tool results' names."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        reasoning = self.reasoning_content if self.reasoning_content is not None \
+            else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
-class ChatCompletionRequest(_Request):
-    """POST /v1/chat/completions."""
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call this function."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+ReasoningEffort = Literal["low", "medium", "high"]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions. On a harmony checkpoint also `tools` (OpenAI's function tools,
+    their schemas checked when rendered), `tool_choice` and `reasoning_effort`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def forced(self) -> str | None:
+        """The function `tool_choice` names, "" for "required", None when nothing is forced."""
+        c = self.tool_choice
+        if isinstance(c, NamedToolChoice):
+            return c.function.name
+        return "" if c == "required" else None
 
 
 def new_id(prefix: str) -> str:
@@ -105,3 +175,44 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool,
 def chunk(rid: str, model: str, choices: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices}
+
+
+def _call(item: Item) -> dict[str, Any]:
+    return {"id": item.call_id, "type": "function",
+            "function": {"name": item.name, "arguments": item.text}}
+
+
+def harmony_message(reply: HarmonyReply) -> dict[str, Any]:
+    """A finished harmony reply as a chat message: `content` (the answer; None when the reply
+    has none), `reasoning_content` (vLLM's field; None without reasoning) and `tool_calls`."""
+    kinds = {i.kind for i in reply.items}
+    out: dict[str, Any] = {
+        "role": "assistant", "content": reply.content() if "text" in kinds else None,
+        "reasoning_content": reply.reasoning() if "reasoning" in kinds else None}
+    if "call" in kinds:
+        out["tool_calls"] = [_call(i) for i in reply.calls()]
+    return out
+
+
+def harmony_deltas(reply: HarmonyReply, pieces: list[Piece]) -> list[dict[str, Any]]:
+    """Streamed chat deltas of pieces of a harmony reply, as the OpenAI API and vLLM send them:
+    {"content": ...}, {"reasoning_content": ...}, and a tool call's first delta with its index,
+    id, type, name and arguments "", then {"index", "function": {"arguments": ...}}."""
+    out: list[dict[str, Any]] = []
+    for p in pieces:
+        item = reply.items[p.item]
+        if item.kind == "call":
+            index = sum(i.kind == "call" for i in reply.items[:p.item])
+            if p.start:
+                out.append({"tool_calls": [{"index": index, **_call(item),
+                                            "function": {"name": item.name, "arguments": ""}}]})
+            if p.text:
+                out.append({"tool_calls": [{"index": index,
+                                            "function": {"arguments": p.text}}]})
+        elif p.text:
+            key = "content" if item.kind == "text" else "reasoning_content"
+            if out and list(out[-1]) == [key]:  # one chunk for consecutive text
+                out[-1][key] += p.text
+            else:
+                out.append({key: p.text})
+    return out

@@ -46,6 +46,8 @@ EXPECTED = {
     and r["latency"]["alone_s"] > 0 and r["latency"]["busy_s"] > 0
     and len(r["prompt_lengths"]) == r["requests"] and r["server_runs"][0]["tokens"] == r[
         "requests"] * r["new_tokens"],
+    "serve_harmony": lambda r: r["parsed_tokens_per_s"] > 0 and r["raw_tokens_per_s"] > 0
+    and len(r["runs_tokens_per_s"]["parsed"]) == r["repeats"],
     "mxfp4": lambda r: r["llm_jax"]["load"]["expert_format"] == "mxfp4"
     and r["llm_jax"]["prefill"]["finite"] and r["llm_jax"]["qlora"]["step_s"] > 0
     and np.isfinite(r["llm_jax"]["qlora"]["loss"])

@@ -1,6 +1,6 @@
 """The OpenAI-compatible server, started as `python -m llm_jax.serve` on 127.0.0.1 and driven by
-the real `openai` client: completions and chat (plain and streamed) equal greedy `sample` on the
-same checkpoint, stop strings cut the text, a request's greedy tokens do not change when it
+the real `openai` client: completions, chat and responses (plain and streamed) equal greedy
+`sample` on the same checkpoint, stop strings cut the text, a request's greedy tokens do not change when it
 joins a busy batch, a full queue answers 429, and 200 bad requests (malformed JSON, wrong types,
 huge max_tokens, empty messages, clients that disconnect mid-stream) each get a clear 4xx while
 the server stays up with every slot back in the pool."""
@@ -241,3 +241,21 @@ def test_health_and_models(server, client):
     with pytest.raises(openai.BadRequestError, match="max_len"):
         client.completions.create(model="tiny", prompt="x", max_tokens=10**6)
     json.dumps(_health(server))
+
+
+def test_responses_on_a_checkpoint_without_harmony_is_one_message_of_its_text(client,
+                                                                             reference):
+    tok, greedy = reference
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count"}]
+    want, ids = greedy(tok.render(messages), 10)
+    out = client.responses.create(model="tiny", instructions="be brief", input="count",
+                                  max_output_tokens=10, temperature=0)
+    assert [i.type for i in out.output] == ["message"] and out.output_text == want
+    assert out.usage.output_tokens == len(ids)
+    events = list(client.responses.create(model="tiny", instructions="be brief", input="count",
+                                          max_output_tokens=10, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert events[-1].response.output_text == want
+    with pytest.raises(openai.BadRequestError, match="harmony"):
+        client.responses.create(model="tiny", input="hi", tools=[{
+            "type": "function", "name": "f", "parameters": {"type": "object"}}])
