@@ -318,9 +318,10 @@ class Parser:
     Starts inside a header whose role the prompt already wrote (`<|start|>assistant`). Text in
     a message's content goes through a `TextDecoder` per message (`text`, default: decoded
     whole when the message ends), so a stream never splits a character. `done` is set by
-    `<|return|>` or `<|call|>`. Malformed output never raises: a special token out of place
-    is kept in the content as its text, text between messages becomes a message of no
-    channel, and `errors` says what was wrong."""
+    `<|return|>` or `<|call|>`. Malformed output never raises and no framing token ever
+    reaches a message's content: a special token out of place is dropped, text between
+    messages or in a header that never closed becomes a message of no channel, and `errors`
+    says what was wrong."""
 
     def __init__(self, tokens: HarmonyTokens, decode: Callable[[list[int]], str],
                  role: str = "assistant",
@@ -361,7 +362,7 @@ class Parser:
         """Ends the stream (a length limit, or a stop token already pushed): closes what is
         open and returns its held-back text."""
         if self._state == "header" and self._raw:
-            self.errors.append("the output ended inside a message header (kept as text)")
+            self.errors.append("the output ended inside a message header (its text kept)")
             return self._header_as_text(None)
         if self._state == "content":
             if not self.done:
@@ -383,12 +384,12 @@ class Parser:
         if kind == "message":
             return self._open(self._parse_header())
         if kind == "start":
-            self.errors.append("a message header was not closed before <|start|> (kept as text)")
+            self.errors.append("a message header was not closed before <|start|> (its text kept)")
             out = self._header_as_text(None) if self._raw else []
             self._new_header()
             return out
         # <|end|>, <|return|> or <|call|> before <|message|>: what was written is kept as text
-        self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message header (kept as text)")
+        self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message header (its text kept)")
         self.done = kind != "end"
         return self._header_as_text({"end": "end", "return_": "return", "call": "call"}[kind])
 
@@ -396,10 +397,12 @@ class Parser:
         self._role, self._header, self._raw, self._state = None, [("role", [])], [], "header"
 
     def _header_as_text(self, end: str | None) -> list[Delta]:
-        """A header that never reached <|message|>: a message of no channel holding its text."""
+        """A header that never reached <|message|>: a message of no channel holding its text
+        (its framing tokens left out)."""
         out = self._open(Message(role=self._role or "assistant"))
         for t in self._raw:
-            out += self._in_content(t, None)
+            if t not in self._names:
+                out += self._in_content(t, None)
         self._raw = []
         return out + self._close(end)
 
@@ -412,8 +415,9 @@ class Parser:
             out = self._close(None)
             self._new_header()
             return out
-        if kind is not None:
-            self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message's content (kept)")
+        if kind is not None:  # framing never reaches content: dropped, and reported
+            self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message's content (dropped)")
+            return []
         msg = self.messages[-1]
         msg.content_ids.append(token)
         new = self._decoder.push(token)  # type: ignore[union-attr]

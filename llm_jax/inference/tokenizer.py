@@ -44,24 +44,20 @@ def _json(path: Path) -> dict[str, Any]:
 
 class CheckpointTokenizer:
     """encode / decode / stop_ids / render(messages) for one checkpoint; `render` raises a
-    ValueError when the checkpoint has neither a chat template nor harmony tokens."""
+    ValueError when the checkpoint has neither a chat template nor harmony tokens. `template`:
+    the checkpoint's `HFTokenizer` when it renders conversations (its `render` and `harmony`
+    are used), else None."""
 
     def __init__(self, encode, decode, vocab_size: int, eos_id: int | None,
-                 bos_id: int | None, stop_ids: frozenset[int], template: HFTokenizer | None,
-                 harmony_tokens: harmony.HarmonyTokens | None = None):
+                 bos_id: int | None, stop_ids: frozenset[int], template: HFTokenizer | None):
         self._encode, self.decode = encode, decode
         self.vocab_size, self.eos_id, self.bos_id = vocab_size, eos_id, bos_id
-        self._template, self.harmony = template, harmony_tokens
-        self.stop_ids = stop_ids | (harmony_tokens.stops if harmony_tokens else frozenset())
+        self._template = template
+        self.harmony = template.harmony if template is not None else None
+        self.stop_ids = stop_ids | (self.harmony.stops if self.harmony else frozenset())
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None or self.harmony is not None
-
-    @property
-    def has_own_template(self) -> bool:
-        """Whether `render` uses the checkpoint's own chat template (rather than harmony's
-        renderer): the messages then need that template's field names."""
         return self._template is not None
 
     def encode(self, text: str) -> list[int]:
@@ -70,14 +66,12 @@ class CheckpointTokenizer:
     def render(self, messages: Sequence[dict[str, Any]], **options: Any) -> str:
         """The conversation so far, ending where the assistant's reply starts: the checkpoint's
         chat template (given `options` as template variables, e.g. gpt-oss's `tools` and
-        `reasoning_effort`), else harmony's renderer for a harmony checkpoint (the same
-        options: `llm_jax.data.harmony.render_conversation`)."""
-        if self._template is not None:
-            return self._template.render(messages, add_generation_prompt=True, **options)
-        if self.harmony is not None:
-            return harmony.render_conversation(messages, **options)
-        raise ValueError("this checkpoint has no chat template (chat_template.jinja or "
-                         "'chat_template' in tokenizer_config.json): use completions")
+        `reasoning_effort`), else, for a harmony checkpoint, harmony's renderer with the same
+        options (`HFTokenizer.render`)."""
+        if self._template is None:
+            raise ValueError("this checkpoint has no chat template (chat_template.jinja or "
+                             "'chat_template' in tokenizer_config.json): use completions")
+        return self._template.render(messages, add_generation_prompt=True, **options)
 
 
 def _from_hf(d: Path) -> CheckpointTokenizer:
@@ -86,7 +80,8 @@ def _from_hf(d: Path) -> CheckpointTokenizer:
     tok = tokenizers.Tokenizer.from_file(str(d / TOKENIZER_FILE))
     config = _json(d / TOKENIZER_CONFIG)
     has_template = (d / TEMPLATE_FILE).is_file() or isinstance(config.get("chat_template"), str)
-    template = HFTokenizer(d) if has_template else None
+    speaks_harmony = harmony.HarmonyTokens.find(tok.token_to_id) is not None
+    template = HFTokenizer(d) if has_template or speaks_harmony else None
 
     def token_id(key: str) -> int | None:
         value = config.get(key)
@@ -102,8 +97,7 @@ def _from_hf(d: Path) -> CheckpointTokenizer:
         lambda text: tok.encode(text, add_special_tokens=False).ids,
         lambda ids: tok.decode(list(ids), skip_special_tokens=False),
         tok.get_vocab_size(with_added_tokens=True), eos, bos,
-        frozenset(i for i in stops if isinstance(i, int)), template,
-        harmony.HarmonyTokens.find(tok.token_to_id))
+        frozenset(i for i in stops if isinstance(i, int)), template)
 
 
 def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:

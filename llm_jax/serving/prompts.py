@@ -7,17 +7,15 @@ A forced call is exact without constrained decoding: the prompt ends with the ca
 `<|channel|>commentary to=functions.` for "required", where the model writes the name), and the
 reply's parser reads those ids before the first generated token (`ChatPrompt.prefill`).
 
-A checkpoint with its own chat template (gpt-oss's) renders through it: the messages are
-reshaped to what transformers' gpt-oss template reads (`thinking` for the reasoning, a tool
-call's `arguments` as an object). Without one, llm_jax/data/harmony.py renders them as they
-are. A checkpoint that does not speak harmony renders role and text through its template,
+A checkpoint with its own chat template (gpt-oss's) renders through it, the messages
+reshaped to what transformers' gpt-oss template reads (`hf_tokenizer.template_messages`);
+without one, llm_jax/data/harmony.py renders them as they are. A checkpoint that does not speak harmony renders role and text through its template,
 tools and reasoning effort ignored, as OpenAI-compatible servers do for models without them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,29 +70,6 @@ def check_tool_results(messages: Sequence[dict[str, Any]]) -> None:
                              f"{m.get('tool_call_id')!r}")
 
 
-def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` as transformers' gpt-oss template reads them: the reasoning as `thinking`, a
-    tool call's arguments as an object (kept as text when they are not JSON)."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if "reasoning_content" in m:
-            m["thinking"] = m.pop("reasoning_content")
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                fn = dict(call["function"])
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        pass
-                calls.append({**call, "function": fn})
-            m["tool_calls"] = calls
-        out.append(m)
-    return out
-
-
 def chat_prompt(tok: CheckpointTokenizer, messages: Sequence[dict[str, Any]], *,
                 tools: Sequence[Any] | None = None, offer_tools: bool = True,
                 forced: str | None = None, reasoning_effort: str | None = None) -> ChatPrompt:
@@ -112,7 +87,5 @@ def chat_prompt(tok: CheckpointTokenizer, messages: Sequence[dict[str, Any]], *,
         options["tools"] = list(tools or [])
     if reasoning_effort is not None:
         options["reasoning_effort"] = reasoning_effort
-    if tok.has_own_template:
-        messages = template_messages(messages)
     prefill = tok.encode(header) if header else []
     return ChatPrompt(tok.encode(tok.render(list(messages), **options)) + prefill, prefill)

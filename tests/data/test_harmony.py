@@ -115,18 +115,18 @@ def test_a_character_split_over_tokens_is_never_split_in_a_delta():
     # cut by the length limit inside the content: kept, not closed
     ("<|channel|>final<|message|>2 + 2 =", [("assistant", "final", None, None, "2 + 2 =",
                                              None)], "ended inside a message"),
-    # cut inside a header: what it wrote is kept as text, special tokens included
-    ("<|channel|>fin", [("assistant", None, None, None, "<|channel|>fin", None)],
+    # cut inside a header: what it wrote is kept as text, its framing tokens left out
+    ("<|channel|>fin", [("assistant", None, None, None, "fin", None)],
      "inside a message header"),
     # text and an <|end|> where a header should be (the prompt wrote the role)
     ("hello<|end|>", [("assistant", None, None, None, "hello", "end")], "inside a message header"),
     # a header never closed before the next <|start|>
     ("<|channel|>ana<|start|>assistant<|channel|>final<|message|>ok<|return|>",
-     [("assistant", None, None, None, "<|channel|>ana", None),
+     [("assistant", None, None, None, "ana", None),
       ("assistant", "final", None, None, "ok", "return")], "not closed before <|start|>"),
-    # a special token out of place is kept as its text
+    # a special token out of place is dropped (framing never reaches content)
     ("<|channel|>final<|message|>a<|message|>b<|return|>",
-     [("assistant", "final", None, None, "a<|message|>b", "return")], "inside a message's content"),
+     [("assistant", "final", None, None, "ab", "return")], "inside a message's content"),
     # text between messages becomes a message of no channel (answer text)
     ("<|channel|>final<|message|>a<|end|>stray<|return|>",
      [("assistant", "final", None, None, "a", "end"),

@@ -14,8 +14,8 @@ from typing import get_args
 import pytest
 
 from llm_jax.data import harmony
+from llm_jax.data.hf_tokenizer import template_messages
 from llm_jax.serving import protocol
-from llm_jax.serving.prompts import template_messages
 from llm_jax.serving.replies import HarmonyReply, PlainReply
 from llm_jax.serving.responses import Output, ResponsesRequest
 
@@ -137,9 +137,10 @@ def test_chat_deltas_stream_calls_as_the_openai_api_does():
      None, [("f", '{"a": ')], "length"),
     # the header never closed: its text kept as the answer
     ("<|channel|>fina", None, "fina", None, [], "length"),
-    # a special token inside content, text outside any message
-    ("<|channel|>final<|message|>a<|constrain|>b<|end|>stray", None, "a<|constrain|>bstray",
-     None, [], "length"),
+    # a special token inside content (dropped: framing never reaches content), text outside
+    # any message (kept)
+    ("<|channel|>final<|message|>a<|constrain|>b<|end|>stray", None, "abstray", None, [],
+     "length"),
 ])
 def test_malformed_output_makes_a_well_formed_reply_with_the_raw_text(text, limit, content,
                                                                        reasoning, calls,
@@ -221,7 +222,7 @@ def test_messages_are_reshaped_for_transformers_gpt_oss_template():
                                     "name": "v", "arguments": "not json"}}]},
                 {"role": "tool", "tool_call_id": "c", "content": "20"}]
     out = template_messages(messages)
-    assert out[1]["thinking"] == "Need it." and "reasoning_content" not in out[1]
+    assert out[1]["thinking"] == "Need it."
     assert [c["function"]["arguments"] for c in out[1]["tool_calls"]] == [
         {"city": "Paris"}, "not json"]
     assert out[0] == messages[0] and out[2] == messages[2]
@@ -232,7 +233,14 @@ def test_the_prompt_offers_the_tools_and_forces_a_call_as_tool_choice_says():
     from llm_jax.inference.tokenizer import CheckpointTokenizer
     from llm_jax.serving.prompts import chat_prompt
 
-    tok = CheckpointTokenizer(encode, decode, 256 + 16, None, None, frozenset(), None, TOKENS)
+    class HarmonyRenderer:  # what an HFTokenizer without a chat template renders with
+        harmony = TOKENS
+
+        def render(self, messages, *, add_generation_prompt, **options):
+            return harmony.render_conversation(messages, **options,
+                                               add_generation_prompt=add_generation_prompt)
+
+    tok = CheckpointTokenizer(encode, decode, 256 + 16, None, None, frozenset(), HarmonyRenderer())
     tool = {"type": "function", "function": {"name": "w", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}
     messages = [{"role": "user", "content": "Weather?"}]
