@@ -388,10 +388,14 @@ class Parser:
             out = self._header_as_text(None) if self._raw else []
             self._new_header()
             return out
-        # <|end|>, <|return|> or <|call|> before <|message|>: what was written is kept as text
-        self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message header (its text kept)")
+        # <|end|>, <|return|> or <|call|> before <|message|>: a header with a channel is a
+        # message with no content (a call with no arguments); plain text stays text
+        self.errors.append(f"{SPECIAL_TOKENS[kind]} inside a message header")
         self.done = kind != "end"
-        return self._header_as_text({"end": "end", "return_": "return", "call": "call"}[kind])
+        end = {"end": "end", "return_": "return", "call": "call"}[kind]
+        if any(part == "channel" for part, _ in self._header):
+            return self._open(self._parse_header()) + self._close(end)
+        return self._header_as_text(end)
 
     def _new_header(self) -> None:
         self._role, self._header, self._raw, self._state = None, [("role", [])], [], "header"

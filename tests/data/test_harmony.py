@@ -120,6 +120,9 @@ def test_a_character_split_over_tokens_is_never_split_in_a_delta():
      "inside a message header"),
     # text and an <|end|> where a header should be (the prompt wrote the role)
     ("hello<|end|>", [("assistant", None, None, None, "hello", "end")], "inside a message header"),
+    # a complete header closed by <|call|> without <|message|>: a call with no arguments
+    ("<|channel|>commentary to=functions.f<|call|>",
+     [("assistant", "commentary", "functions.f", None, "", "call")], "inside a message header"),
     # a header never closed before the next <|start|>
     ("<|channel|>ana<|start|>assistant<|channel|>final<|message|>ok<|return|>",
      [("assistant", None, None, None, "ana", None),

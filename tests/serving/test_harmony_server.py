@@ -245,7 +245,7 @@ def test_a_responses_tool_call_round_trip(client):
 def test_a_forced_tool_call_is_what_the_model_writes_after_the_prefilled_header(
         client, greedy, choice):
     tok, run = greedy
-    messages = [{"role": "user", "content": "Say hi."}]
+    messages = HARMONY_CHATS[1][1][:1]  # the weather question: the model learned its call
     tool_choice = ({"type": "function", "function": {"name": "get_weather"}}
                    if choice == "named" else "required")
     out = client.chat.completions.create(model="h", messages=messages, tools=[WEATHER_TOOL],
@@ -256,7 +256,9 @@ def test_a_forced_tool_call_is_what_the_model_writes_after_the_prefilled_header(
     prefill = tok.encode(header)
     want = run(tok.encode(tok.render(messages, tools=[WEATHER_TOOL])) + prefill, prefill, 20)
     got = [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls]
-    assert got == [(c.name, c.arguments) for c in harmony.tool_calls(want)][:1]
+    # what the model writes past a header it was not trained to start with is its own; the
+    # server must report exactly that, the named function first
+    assert got == [(c.name, c.arguments) for c in harmony.tool_calls(want)]
     assert got[0][0] == "get_weather" or choice == "required"
 
 
