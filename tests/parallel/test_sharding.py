@@ -1,6 +1,6 @@
 """Sharding: one rules table, meshes from the config, clear errors, and meshes over every axis
-computing the same training run as one device (losses and params after three steps, within 1e-5 in float32);
-the expert-parallel MoE equals the single-device MoE (outputs and gradients).
+computing the same training run as one device (losses and params after three steps, within 1e-5
+in float32); the expert-parallel MoE equals the single-device MoE (outputs and gradients).
 
 Tests that need 8 devices run this file as a script in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (the rest of the suite has one device).
