@@ -132,6 +132,13 @@ def _assistant_loss(model: nnx.Module, ckpt: Path, jsonl: Path) -> float:
     return nll / tokens
 
 
+@pytest.fixture(scope="module")
+def base_loss(ckpt, jsonl) -> float:
+    """The base checkpoint's assistant loss on the held-out conversations (what both SFT runs
+    must lower)."""
+    return _assistant_loss(load_pretrained(ckpt), ckpt, jsonl)
+
+
 def test_assistant_spans_and_packing(ckpt, jsonl):
     tok = HFTokenizer(ckpt)
     msgs = _conversations()[3]["messages"]
@@ -230,10 +237,10 @@ def test_lora_step0_is_base_and_merged_export_matches_transformers(ckpt, tmp_pat
     np.testing.assert_array_equal(np.asarray(again(tokens)), adapted)
 
 
-def test_full_sft_lowers_assistant_loss(ckpt, jsonl, tmp_path):
+def test_full_sft_lowers_assistant_loss(ckpt, jsonl, base_loss, tmp_path):
     cfg = _config("finetune_full", ckpt, jsonl, num_steps=12, learning_rate=3e-3)
     train(cfg, str(tmp_path))
-    before = _assistant_loss(load_pretrained(ckpt), ckpt, jsonl)
+    before = base_loss
     after = _assistant_loss(restore_finetuned(str(tmp_path))[0], ckpt, jsonl)
     losses = _losses(tmp_path)
     print(f"full SFT assistant loss on the test set: {before:.4f} -> {after:.4f} "
@@ -241,14 +248,15 @@ def test_full_sft_lowers_assistant_loss(ckpt, jsonl, tmp_path):
     assert after < before - 0.5
 
 
-def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl, tmp_path):
+def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl, base_loss,
+                                                                    tmp_path):
     src = tmp_path / "ckpt"
     shutil.copytree(ckpt, src)
     cfg = _config("finetune_lora", src, jsonl, num_steps=12, learning_rate=3e-2)
     train(cfg, str(tmp_path / "run"))
     model, run = restore_finetuned(str(tmp_path / "run"))
     base = load_pretrained(ckpt)
-    before, after = _assistant_loss(base, ckpt, jsonl), _assistant_loss(model, ckpt, jsonl)
+    before, after = base_loss, _assistant_loss(model, ckpt, jsonl)
     print(f"LoRA SFT assistant loss on the test set: {before:.4f} -> {after:.4f}")
     assert after < before - 0.1  # the adapters cannot move the embeddings: slower than full
     np.testing.assert_array_equal(np.asarray(model.layers.attn.q_proj[...]),
