@@ -82,11 +82,12 @@ def _logits_and_grads(cfg: ModelConfig, tokens: jax.Array, execution: ExecutionC
 def test_unrolled_and_rematerialized_layers_give_the_same_logits_gradients_and_param_layout():
     """Scanned or unrolled layers, each with and without remat: the same logits and gradients
     (and the same stacked [L, ...] weights) as the scanned layers without remat. Two layers: one
-    with a window, one without."""
+    with a window, one without; the dense dispatch, since how the layers are iterated does not
+    depend on it (each dispatch against its references: test_moe.py)."""
     cfg = SMALL.replace(num_hidden_layers=2)
     assert cfg.layer_windows == (4, 0)
     tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, cfg.vocab_size)
-    scanned = DENSE.replace(moe_dispatch="capacity")
+    scanned = DENSE
     unrolled = scanned.replace(scan_layers=False)
     want_logits, want = _logits_and_grads(cfg, tokens, scanned)
     for execution in (scanned.replace(remat=True), unrolled, unrolled.replace(remat=True)):
