@@ -16,14 +16,23 @@ SMALL = ModelConfig(num_hidden_layers=3, num_experts=4, experts_per_token=2, voc
                     hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
                     num_key_value_heads=2, sliding_window=4)
 DENSE = ExecutionConfig(moe_dispatch="dense")
+T = 11
+POSITIONS = jnp.broadcast_to(jnp.arange(T), (2, T))
+
+
+@nnx.jit
+def _forward(model, tokens, positions):
+    """Logits and auxiliary outputs: one compiled program serves every SMALL model of the tests
+    below at [2, T] (the weights and positions are its arguments)."""
+    return model(tokens, positions_BT=positions, return_aux=True)
 
 
 def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
     """Also: the logits are float32 and the auxiliary outputs hold one entry per layer."""
     model = init_model(SMALL, seed=1, execution=DENSE)
-    tokens = jax.random.randint(jax.random.key(0), (2, 11), 0, SMALL.vocab_size)
-    logits, aux = nnx.jit(lambda m, t: m(t, return_aux=True))(model, tokens)
-    assert logits.shape == (2, 11, 97) and logits.dtype == jnp.float32
+    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, SMALL.vocab_size)
+    logits, aux = _forward(model, tokens, POSITIONS)
+    assert logits.shape == (2, T, 97) and logits.dtype == jnp.float32
     assert aux.load_balancing_loss.shape == (3,)
     assert aux.expert_load.shape == (3, 4)
     np.testing.assert_allclose(aux.expert_load.sum(-1), 1.0, rtol=1e-6)
@@ -33,10 +42,9 @@ def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
     @jax.jit
     def unrolled(state, embedding, unembedding):
         x = embedding[tokens]
-        pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
         for i in range(SMALL.num_hidden_layers):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-            x, _, _ = layer(x, pos, SMALL.layer_window(i), execution=DENSE)
+            x, _, _ = layer(x, POSITIONS, SMALL.layer_window(i), execution=DENSE)
         return model.norm(x) @ unembedding.T
 
     ref = unrolled(state, model.embedding[...], model.unembedding[...])
@@ -49,20 +57,19 @@ def test_bfloat16_compute_is_close_to_float32():
     bf16 = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(SMALL, dtype="bfloat16"),
                                              execution=DENSE)),
                      nnx.state(model))
-    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, SMALL.vocab_size)
-    ref, out = nnx.jit(model)(tokens), nnx.jit(bf16)(tokens)
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, SMALL.vocab_size)
+    ref, out = _forward(model, tokens, POSITIONS)[0], _forward(bf16, tokens, POSITIONS)[0]
     assert out.dtype == jnp.float32
     assert float(jnp.max(jnp.abs(out - ref))) < 0.05 * float(jnp.max(jnp.abs(ref))) + 1e-3
 
 
 def test_only_relative_positions_matter():
     model = init_model(SMALL, seed=3, execution=DENSE)
-    tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, SMALL.vocab_size)
-    forward = nnx.jit(lambda m, t, p: m(t, positions_BT=p))
-    a = forward(model, tokens, jnp.arange(6)[None])
-    shifted = forward(model, tokens, jnp.arange(6)[None] + 1000)
+    tokens = jax.random.randint(jax.random.key(2), (2, T), 0, SMALL.vocab_size)
+    a = _forward(model, tokens, POSITIONS)[0]
+    shifted = _forward(model, tokens, POSITIONS + 1000)[0]
     np.testing.assert_allclose(a, shifted, rtol=1e-4, atol=1e-4)  # RoPE: q.k sees m - n only
-    spread = forward(model, tokens, 2 * jnp.arange(6)[None])
+    spread = _forward(model, tokens, 2 * POSITIONS)[0]
     assert float(jnp.max(jnp.abs(a - spread))) > 1e-3
 
 
