@@ -36,7 +36,7 @@ EXPECTED = {
                             and row["mxfp4_decode_ratio"] > 0 for row in r["decode"]),
     "prefill": lambda r: all(row["prefill_s"] > 0 and row["peak_rss_bytes"] > 2**20
                              for row in r["rows"]),
-    "finetune": lambda r: [row["mode"] for row in r["rows"]] == ["full", "lora", "lora_attn"]
+    "finetune": lambda r: [row["mode"] for row in r["rows"]] == ["full", "lora"]
     and all(row["tokens_per_sec"] > 0 for row in r["rows"])
     and r["rows"][1]["optimizer_state_bytes"] < r["rows"][0]["optimizer_state_bytes"],
     "stacks": lambda r: [s["python"] for s in r["stacks"]] == [sys.executable]
@@ -55,7 +55,10 @@ EXPECTED = {
     and all(r["llm_jax"][p]["peak_rss_bytes"] >= 0 for p in ("load", "prefill", "qlora"))
     and r["llm_jax"]["load"]["param_bytes"] == r["param_bytes_predicted"],
 }
-EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf", "--mxfp4"]}
+# malloc: the two contenders the checks name (each is a process); the preloaded ones' environment
+# is checked below without one, and a preload's effect in a child in tests/runtime/test_malloc.py.
+EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf", "--mxfp4"],
+              "malloc": ["--mallocs", "system,glibc"]}
 
 
 @pytest.mark.parametrize("command", list(EXPECTED))
@@ -80,3 +83,18 @@ def test_isolated_contender_runs_in_its_own_process_and_reports_a_failed_start()
         assert worker.loss is None
     with pytest.raises(RuntimeError, match="failed to start"):
         Isolated(functools.partial(int, "not a number"))
+
+
+def test_malloc_contenders_environments_name_the_malloc_each_child_gets():
+    from llm_jax.bench.malloc import child_env
+    from llm_jax.runtime import malloc
+
+    base = {"PATH": "/bin", "LD_PRELOAD": "/lib/other.so", malloc.ENV: "auto"}
+    assert child_env("system", base) == {"PATH": "/bin", malloc.ENV: "system"}
+    assert child_env("glibc", base) == {"PATH": "/bin"}  # the child tunes glibc itself
+    for name, path in (("mimalloc", malloc.find_mimalloc()), ("tcmalloc", malloc.find_tcmalloc())):
+        env = child_env(name, base)
+        if path is None:
+            assert env is None, name  # not installed here: no contender
+        else:
+            assert env["LD_PRELOAD"] == path and env[malloc.ENV] == path, (name, env)

@@ -1,6 +1,6 @@
 """A whole model with packed MXFP4 experts, read from Hugging Face and OpenAI directories of
 several shapes: it keeps the checkpoint's bytes, and computes the same logits as the model read
-with `expert_format="dense"` (dequantized on the host) for each dispatch, within 1e-6 in
+with `expert_format="dense"` (dequantized on the host) for each dispatch (k = 2), within 1e-6 in
 float32 (the unpacking is exact), and decodes the same tokens with the same logits."""
 
 from __future__ import annotations
@@ -69,11 +69,13 @@ def _jitted_logits(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     return out[0] if isinstance(out, tuple) else out
 
 
-# Every dispatch over each shape read from Hugging Face; the OpenAI reader (whose bytes are the
-# same, above) with the default dispatch.
+# Every dispatch over the k = 2 shape read from Hugging Face; the windowed k = 4 shape (three
+# layers) with the default dispatch (each dispatch over packed experts with k > 2, outputs and
+# gradients: test_mxfp4.py's layer test); the OpenAI reader (whose bytes are the same, above)
+# with the default dispatch.
 @pytest.mark.parametrize("shape,fmt,dispatch",
-                         [(s, "hf", d) for s in SHAPES
-                          for d in ("auto", "dense", "ragged", "gather", "blocked")]
+                         [("k2", "hf", d) for d in ("auto", "dense", "ragged", "gather", "blocked")]
+                         + [("k4-window", "hf", "auto")]
                          + [(s, "openai", "auto") for s in SHAPES])
 def test_packed_logits_equal_dequantized_logits(checkpoint, shape, fmt, dispatch):
     path, _ = checkpoint(shape, fmt)
@@ -88,10 +90,11 @@ def test_packed_logits_equal_dequantized_logits(checkpoint, shape, fmt, dispatch
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * (1 + float(jnp.max(jnp.abs(b)))))
 
 
-# Each shape and each reader once: the windowed shape's decode reads the OpenAI directory.
-@pytest.mark.parametrize("shape,fmt", [("k2", "hf"), ("k4-window", "openai")])
-def test_packed_decode_equals_dequantized_decode(checkpoint, shape, fmt):
-    path, _ = checkpoint(shape, fmt)
+# The windowed k = 4 shape, three layers, read from the OpenAI directory: its prefill runs the
+# many-token dispatch and each decode step (T k <= E) gathers the chosen packed experts, as the
+# k = 2 shape's would.
+def test_packed_decode_equals_dequantized_decode(checkpoint):
+    path, _ = checkpoint("k4-window", "openai")
     prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2]]
     ids_p, logits_p = sample(load_pretrained(path), prompts, max_new_tokens=6,
                              return_logits=True)

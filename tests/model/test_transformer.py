@@ -16,22 +16,35 @@ SMALL = ModelConfig(num_hidden_layers=3, num_experts=4, experts_per_token=2, voc
                     hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
                     num_key_value_heads=2, sliding_window=4)
 DENSE = ExecutionConfig(moe_dispatch="dense")
+T = 11
+POSITIONS = jnp.broadcast_to(jnp.arange(T), (2, T))
+
+
+@nnx.jit
+def _forward(model, tokens, positions):
+    """Logits and auxiliary outputs: one compiled program serves every SMALL model of the tests
+    below at [2, T] (the weights and positions are its arguments)."""
+    return model(tokens, positions_BT=positions, return_aux=True)
 
 
 def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
+    """Also: the logits are float32 and the auxiliary outputs hold one entry per layer."""
     model = init_model(SMALL, seed=1, execution=DENSE)
-    tokens = jax.random.randint(jax.random.key(0), (2, 11), 0, SMALL.vocab_size)
-    logits = nnx.jit(model)(tokens)
+    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, SMALL.vocab_size)
+    logits, aux = _forward(model, tokens, POSITIONS)
+    assert logits.shape == (2, T, 97) and logits.dtype == jnp.float32
+    assert aux.load_balancing_loss.shape == (3,)
+    assert aux.expert_load.shape == (3, 4)
+    np.testing.assert_allclose(aux.expert_load.sum(-1), 1.0, rtol=1e-6)
 
     graphdef, state = nnx.split(model.layers)
 
     @jax.jit
     def unrolled(state, embedding, unembedding):
         x = embedding[tokens]
-        pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
         for i in range(SMALL.num_hidden_layers):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-            x, _, _ = layer(x, pos, SMALL.layer_window(i), execution=DENSE)
+            x, _, _ = layer(x, POSITIONS, SMALL.layer_window(i), execution=DENSE)
         return model.norm(x) @ unembedding.T
 
     ref = unrolled(state, model.embedding[...], model.unembedding[...])
@@ -39,55 +52,54 @@ def test_scanned_layers_equal_unrolled_loop_with_alternating_windows():
     assert SMALL.layer_windows == (4, 0, 4)
 
 
-def test_logits_are_float32_and_aux_is_per_layer():
-    model = init_model(SMALL, execution=DENSE)
-    logits, aux = model(jnp.zeros((2, 5), jnp.int32), return_aux=True)
-    assert logits.shape == (2, 5, 97) and logits.dtype == jnp.float32
-    assert aux.load_balancing_loss.shape == (3,)
-    assert aux.expert_load.shape == (3, 4)
-    np.testing.assert_allclose(aux.expert_load.sum(-1), 1.0, rtol=1e-6)
-
-
 def test_bfloat16_compute_is_close_to_float32():
     model = init_model(SMALL, seed=2, execution=DENSE)
     bf16 = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(SMALL, dtype="bfloat16"),
                                              execution=DENSE)),
                      nnx.state(model))
-    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, SMALL.vocab_size)
-    ref, out = nnx.jit(model)(tokens), nnx.jit(bf16)(tokens)
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, SMALL.vocab_size)
+    ref, out = _forward(model, tokens, POSITIONS)[0], _forward(bf16, tokens, POSITIONS)[0]
     assert out.dtype == jnp.float32
     assert float(jnp.max(jnp.abs(out - ref))) < 0.05 * float(jnp.max(jnp.abs(ref))) + 1e-3
 
 
 def test_only_relative_positions_matter():
     model = init_model(SMALL, seed=3, execution=DENSE)
-    tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, SMALL.vocab_size)
-    forward = nnx.jit(lambda m, t, p: m(t, positions_BT=p))
-    a = forward(model, tokens, jnp.arange(6)[None])
-    shifted = forward(model, tokens, jnp.arange(6)[None] + 1000)
+    tokens = jax.random.randint(jax.random.key(2), (2, T), 0, SMALL.vocab_size)
+    a = _forward(model, tokens, POSITIONS)[0]
+    shifted = _forward(model, tokens, POSITIONS + 1000)[0]
     np.testing.assert_allclose(a, shifted, rtol=1e-4, atol=1e-4)  # RoPE: q.k sees m - n only
-    spread = forward(model, tokens, 2 * jnp.arange(6)[None])
+    spread = _forward(model, tokens, 2 * POSITIONS)[0]
     assert float(jnp.max(jnp.abs(a - spread))) > 1e-3
 
 
-def _grads(cfg: ModelConfig, tokens: jax.Array, execution: ExecutionConfig):
+def _logits_and_grads(cfg: ModelConfig, tokens: jax.Array, execution: ExecutionConfig):
+    """The logits and the gradient of their sum, from one compiled program."""
     model = init_model(cfg, seed=4, execution=execution)
     g, p = nnx.split(model)
-    return jax.jit(jax.grad(lambda p: nnx.merge(g, p)(tokens).sum()))(p)
+
+    def total(p):
+        logits = nnx.merge(g, p)(tokens)
+        return logits.sum(), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(p)
+    return logits, grads
 
 
 def test_unrolled_and_rematerialized_layers_give_the_same_logits_gradients_and_param_layout():
-    """Scanned or unrolled layers, each with and without remat: the same gradients (and the same
-    stacked [L, ...] weights) as the scanned layers without remat; unrolled, the same logits."""
-    tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, SMALL.vocab_size)
-    scanned = DENSE.replace(moe_dispatch="capacity")
+    """Scanned or unrolled layers, each with and without remat: the same logits and gradients
+    (and the same stacked [L, ...] weights) as the scanned layers without remat. Two layers: one
+    with a window, one without; the dense dispatch, since how the layers are iterated does not
+    depend on it (each dispatch against its references: test_moe.py)."""
+    cfg = SMALL.replace(num_hidden_layers=2)
+    assert cfg.layer_windows == (4, 0)
+    tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, cfg.vocab_size)
+    scanned = DENSE
     unrolled = scanned.replace(scan_layers=False)
-    np.testing.assert_allclose(nnx.jit(init_model(SMALL, seed=4, execution=scanned))(tokens),
-                               nnx.jit(init_model(SMALL, seed=4, execution=unrolled))(tokens),
-                               rtol=1e-5, atol=1e-6)
-    want = _grads(SMALL, tokens, scanned)
+    want_logits, want = _logits_and_grads(cfg, tokens, scanned)
     for execution in (scanned.replace(remat=True), unrolled, unrolled.replace(remat=True)):
-        got = _grads(SMALL, tokens, execution)
+        logits, got = _logits_and_grads(cfg, tokens, execution)
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-6)
         assert jax.tree.structure(got) == jax.tree.structure(want)  # same stacked weights
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert x.shape == y.shape
@@ -128,8 +140,7 @@ def test_param_count_from_eval_shape_matches_closed_form(cfg):
     assert sum(x.size for x in leaves) == _closed_form_param_count(cfg)
 
 
-@pytest.mark.parametrize("platform", ["cpu", "tpu"])
-def test_with_a_cache_each_layer_is_sliced_where_it_runs(platform):
+def test_with_a_cache_each_layer_is_sliced_where_it_runs():
     # Off CPU each layer's weights are sliced with an index tied to the layer's input: with a
     # constant index the slices are loop-invariant inside a decode loop, and XLA:TPU hoisted
     # them out of it as copies of every layer's weights (docs/scaling.md). CPU programs compile
@@ -140,14 +151,15 @@ def test_with_a_cache_each_layer_is_sliced_where_it_runs(platform):
     model = init_model(SMALL, seed=2, execution=DENSE)
     tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, SMALL.vocab_size)
     cache = init_cache(SMALL, 2, 8, "float32")
-
-    def hidden(model, tokens, cache):
-        return model.hidden_states(tokens, None, None, cache)[0]
-
-    with compiling_for(platform):
-        jaxpr = jax.make_jaxpr(hidden)(model, tokens, cache)
-        h = nnx.jit(hidden)(model, tokens, cache)
-    barriers = str(jaxpr).count("optimization_barrier")
-    assert barriers == (0 if platform == "cpu" else SMALL.num_hidden_layers), barriers
     ref = model.hidden_states(tokens)[0]
-    np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-5)
+    for platform in ("cpu", "tpu"):
+        def hidden(model, tokens, cache):  # a function of its own: traced anew, not cached
+            return model.hidden_states(tokens, None, None, cache)[0]
+
+        with compiling_for(platform):
+            jaxpr = jax.make_jaxpr(hidden)(model, tokens, cache)
+            h = nnx.jit(hidden)(model, tokens, cache)
+        barriers = str(jaxpr).count("optimization_barrier")
+        assert barriers == (0 if platform == "cpu" else SMALL.num_hidden_layers), (platform,
+                                                                                   barriers)
+        np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-5, err_msg=platform)

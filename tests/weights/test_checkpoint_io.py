@@ -4,9 +4,6 @@ errors bad inputs raise (each naming the bad thing), and the convert CLI."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -300,13 +297,11 @@ def test_failed_convert_leaves_dst_untouched(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
 
 
-def test_convert_runs_as_a_module(model, tmp_path):
+def test_convert_to_openai_casts_to_the_dtype_asked(model, tmp_path):
+    # `python -m llm_jax.convert` as a process: tests/weights/test_mxfp4_export.py.
     src = writers.save_llm_jax(model, tmp_path / "src")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", "llm_jax.convert", "--src", str(src), "--dst",
-                        str(tmp_path / "oa"), "--to", "openai", "--dtype", "bfloat16"],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert convert_main(["--src", str(src), "--dst", str(tmp_path / "oa"), "--to", "openai",
+                         "--dtype", "bfloat16"]) == 0
     back = load_pretrained(tmp_path / "oa")
     assert back.cfg.param_dtype == "bfloat16"
     assert back.layers.mlp.gate_up_proj[...].dtype == np.dtype("bfloat16")

@@ -178,6 +178,8 @@ def test_llm_jax_checkpoint_of_version_1_reads_its_packed_stacks_in_checkpoint_o
 
 # ---------------------------------------------------------------------- the convert CLI
 def test_convert_chain_through_every_layout_keeps_the_bytes(tmp_path):
+    """The first conversion runs `python -m llm_jax.convert` as a process, the command line's
+    own entry; the rest call its main in this process."""
     cfg = CONFIGS["top4"]
     write_mxfp4_checkpoint(tmp_path / "src" / "original", cfg, "openai")  # as gpt-oss ships
     want = mxfp4_tensors(tmp_path / "src" / "original", cfg.num_hidden_layers)
