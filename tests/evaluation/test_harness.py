@@ -28,22 +28,6 @@ pytestmark = pytest.mark.slow
 TASKS = Path(__file__).resolve().parent / "tasks"
 
 
-# `python -m llm_jax.eval ARGS`, except that lm_eval's TaskManager leaves out its built-in tasks:
-# it reads all of their ~14,000 YAML files whenever one is made (seconds of CPU, and more where
-# they are not in the page cache yet), and these tests run only the local tasks of --include_path.
-EVAL_CLI = """
-import inspect, runpy, sys
-from lm_eval.tasks import TaskManager
-init = TaskManager.__init__
-if "include_defaults" in inspect.signature(init).parameters:
-    def local_only(self, *args, include_defaults=False, **kwargs):
-        init(self, *args, include_defaults=include_defaults, **kwargs)
-    TaskManager.__init__ = local_only
-sys.argv = ["llm_jax.eval", *sys.argv[1:]]
-runpy.run_module("llm_jax.eval", run_name="__main__", alter_sys=True)
-"""
-
-
 def _jsonl(name: str) -> list[dict]:
     return [json.loads(line) for line in (TASKS / name).read_text().splitlines() if line]
 
@@ -56,7 +40,7 @@ def run(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp / "hf_datasets"))
     proc = subprocess.run(
-        [sys.executable, "-c", EVAL_CLI, "--checkpoint", str(ckpt), "--tasks",
+        [sys.executable, "-m", "llm_jax.eval", "--checkpoint", str(ckpt), "--tasks",
          "llm_jax_tiny_choice,llm_jax_tiny_text,llm_jax_tiny_until", "--include_path", ".",
          "--output_path", str(tmp / "out"), "--log_samples"],
         cwd=TASKS, env=env, capture_output=True, text=True, timeout=600)
