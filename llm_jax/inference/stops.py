@@ -39,17 +39,23 @@ class StopText:
     few tokens since the last complete character twice, with and without the newest, from the
     same earlier token, so a tokenizer that treats a text's first piece specially (a leading
     space) does so in both and the difference is exactly the new text; a push costs the same
-    at the 1st token and the 10,000th."""
+    at the 1st token and the 10,000th. The stop strings are `StopCut`'s job."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
         self.decode = decode
-        self.stop = [s for s in stop if s]
+        self.cut = StopCut(stop)
         self.ids: list[int] = []
         self.prefix_at = 0  # ids[prefix_at:read_at] decode to text already in `text`
         self.read_at = 0
-        self.text = ""  # everything decoded (final or held back), cut at a stop string
-        self.sent = 0  # characters of `text` already returned
-        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything decoded (final or held back), cut at a stop string."""
+        return self.cut.text
+
+    @property
+    def stopped(self) -> bool:
+        return self.cut.stopped
 
     def push(self, token: int) -> str:
         if self.stopped:
@@ -59,32 +65,16 @@ class StopText:
         window = self.decode(self.ids[self.prefix_at:])
         if len(window) <= len(prefix) or window.endswith(REPLACEMENT):
             return ""  # inside a character (or a token with no text yet): wait for more
-        self._add(window[len(prefix):])
         self.prefix_at, self.read_at = self.read_at, len(self.ids)
-        return self._release(len(self.text) - _held_back(self.text[self.sent:], self.stop))
+        return self.cut.push(window[len(prefix):])
 
     def finish(self) -> str:
+        out = ""
         if not self.stopped and self.read_at < len(self.ids):  # an unfinished character
             prefix = self.decode(self.ids[self.prefix_at:self.read_at])
-            self._add(self.decode(self.ids[self.prefix_at:])[len(prefix):])
+            out = self.cut.push(self.decode(self.ids[self.prefix_at:])[len(prefix):])
             self.read_at = len(self.ids)
-        return self._release(len(self.text))
-
-    def _add(self, new: str) -> None:
-        """Appends decoded text, cutting it at the first stop string (which may begin in text
-        already there but not yet sent)."""
-        start = len(self.text)
-        self.text += new
-        cut = min((i for s in self.stop
-                   if (i := self.text.find(s, max(self.sent, start - len(s) + 1))) >= 0),
-                  default=-1)
-        if cut >= 0:
-            self.text, self.stopped = self.text[:cut], True
-
-    def _release(self, upto: int) -> str:
-        out = self.text[self.sent:upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return out
+        return out + self.cut.finish()
 
 
 class StopCut:
