@@ -293,3 +293,40 @@ def make_harmony_checkpoint(d: Path, steps: int = 150) -> Path:
         step(model, opt, ids, mask)
     save_llm_jax(model, d)
     return d
+
+
+# ------------------------------------------- a toy vocabulary for harmony's parser and replies
+
+def _toy_harmony():
+    from llm_jax.data import harmony
+
+    specials = list(harmony.SPECIAL_TOKENS.values())
+    return specials, harmony.HarmonyTokens.find(
+        lambda s: specials.index(s) if s in specials else None)
+
+
+# Byte-level: the special tokens are ids 0-6, byte b is id 16 + b, so a character of several
+# UTF-8 bytes spans several tokens (as byte-level BPE can split one).
+HARMONY_SPECIALS, TOY_HARMONY_TOKENS = _toy_harmony()
+
+
+def toy_encode(text: str) -> list[int]:
+    import re
+
+    ids = []
+    for piece in re.split("(" + "|".join(map(re.escape, HARMONY_SPECIALS)) + ")", text):
+        ids += ([HARMONY_SPECIALS.index(piece)] if piece in HARMONY_SPECIALS
+                else [16 + b for b in piece.encode()])
+    return ids
+
+
+def toy_decode(ids: list[int]) -> str:
+    out, run = [], b""
+    for i in ids:
+        if i < 16:
+            out.append(run.decode("utf-8", "replace") + HARMONY_SPECIALS[i])
+            run = b""
+        else:
+            run += bytes([i - 16])
+    return "".join(out) + run.decode("utf-8", "replace")
+

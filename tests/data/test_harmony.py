@@ -6,33 +6,15 @@ import json
 import re
 
 import pytest
+from helpers import (
+    HARMONY_SPECIALS as SPECIALS,
+    TOY_HARMONY_TOKENS as TOKENS,
+    toy_decode as decode,
+    toy_encode as encode,
+)
 
 from llm_jax.data import harmony
 from llm_jax.inference.stops import StopText
-
-# A byte-level toy vocabulary: the special tokens are ids 0-6, byte b is id 16 + b, so a
-# character of several UTF-8 bytes spans several tokens (as byte-level BPE can split one).
-SPECIALS = list(harmony.SPECIAL_TOKENS.values())
-TOKENS = harmony.HarmonyTokens.find(lambda s: SPECIALS.index(s) if s in SPECIALS else None)
-
-
-def encode(text: str) -> list[int]:
-    ids = []
-    for piece in re.split("(" + "|".join(map(re.escape, SPECIALS)) + ")", text):
-        ids += [SPECIALS.index(piece)] if piece in SPECIALS else [16 + b for b in
-                                                                  piece.encode()]
-    return ids
-
-
-def decode(ids: list[int]) -> str:
-    out, run = [], b""
-    for i in ids:
-        if i < 16:
-            out.append(run.decode("utf-8", "replace") + SPECIALS[i])
-            run = b""
-        else:
-            run += bytes([i - 16])
-    return "".join(out) + run.decode("utf-8", "replace")
 
 
 def streamed(ids, text=None):

@@ -8,40 +8,20 @@ gpt-oss chat template."""
 
 from __future__ import annotations
 
-import re
 from typing import get_args
 
 import pytest
+from helpers import (
+    TOY_HARMONY_TOKENS as TOKENS,
+    toy_decode as decode,
+    toy_encode as encode,
+)
 
 from llm_jax.data import harmony
 from llm_jax.data.hf_tokenizer import template_messages
 from llm_jax.serving import protocol
 from llm_jax.serving.replies import HarmonyReply, PlainReply
 from llm_jax.serving.responses import Output, ResponsesRequest
-
-# A byte-level toy vocabulary: the special tokens are ids 0-6, byte b is id 16 + b, so a
-# character of several UTF-8 bytes spans several tokens.
-SPECIALS = list(harmony.SPECIAL_TOKENS.values())
-TOKENS = harmony.HarmonyTokens.find(lambda s: SPECIALS.index(s) if s in SPECIALS else None)
-
-
-def encode(text: str) -> list[int]:
-    ids = []
-    for piece in re.split("(" + "|".join(map(re.escape, SPECIALS)) + ")", text):
-        ids += [SPECIALS.index(piece)] if piece in SPECIALS else [16 + b for b in
-                                                                  piece.encode()]
-    return ids
-
-
-def decode(ids: list[int]) -> str:
-    out, run = [], b""
-    for i in ids:
-        if i < 16:
-            out.append(run.decode("utf-8", "replace") + SPECIALS[i])
-            run = b""
-        else:
-            run += bytes([i - 16])
-    return "".join(out) + run.decode("utf-8", "replace")
 
 
 def run(text: str, stop=(), prefill: str = "", limit: int | None = None):
