@@ -330,3 +330,51 @@ def toy_decode(ids: list[int]) -> str:
             run += bytes([i - 16])
     return "".join(out) + run.decode("utf-8", "replace")
 
+
+# ------------------------------------------- `python -m llm_jax.serve` in a process of its own
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], log: Path):
+    """Starts `python -m llm_jax.serve ARGS --port P` (output in `log`) and waits for its
+    /health; a generator yielding the base URL, stopping the server when it resumes (drive it
+    from a pytest fixture: `yield from start_server(...)`)."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    out = log.open("w")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "llm_jax.serve", *args, "--port", str(port)],
+                            env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start:\n{log.read_text()}")
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    out.close()
+

@@ -9,15 +9,10 @@ tools, tool messages and bodies of any content type get a 4xx naming the field, 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
-from helpers import HARMONY_CHATS, ROOT, WEATHER_TOOL
+from helpers import HARMONY_CHATS, WEATHER_TOOL, start_server
 
 from llm_jax.data import harmony
 from llm_jax.inference.sampler import sample
@@ -32,38 +27,11 @@ NEW = 80  # tokens: more than any learned reply needs
 
 @pytest.fixture(scope="module")
 def server(harmony_checkpoint, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("harmony_serve") / "server.log"
-    out = log.open("w")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llm_jax.serve", "--checkpoint", str(harmony_checkpoint),
-         "--port", str(port), "--slots", "2", "--max_len", "384", "--request_timeout", "120",
-         "--log_level", "warning", "--warmup", "none", "--model_name", "h"],
-        env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start:\n{log.read_text()}")
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    out.close()
+    yield from start_server(
+        ["--checkpoint", str(harmony_checkpoint), "--slots", "2", "--max_len", "384",
+         "--request_timeout", "120", "--log_level", "warning", "--warmup", "none",
+         "--model_name", "h"], log)
     assert "Traceback" not in log.read_text(), log.read_text()
 
 

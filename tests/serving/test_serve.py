@@ -8,17 +8,13 @@ the server stays up with every slot back in the pool."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import ROOT, make_checkpoint
+from helpers import make_checkpoint, start_server
 
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.tokenizer import load_tokenizer
@@ -30,12 +26,6 @@ pytestmark = pytest.mark.slow
 SLOTS, MAX_LEN, MAX_QUEUE = 4, 128, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
@@ -43,37 +33,11 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve_log") / "server.log"
-    out = log.open("w")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llm_jax.serve", "--checkpoint", str(ckpt), "--port", str(port),
-         "--slots", str(SLOTS), "--max_len", str(MAX_LEN), "--max_queue", str(MAX_QUEUE),
-         "--max_prefill", "4", "--request_timeout", "120", "--log_level", "warning",
-         "--warmup", "short"],
-        env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start:\n{log.read_text()}")
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    out.close()
+    yield from start_server(
+        ["--checkpoint", str(ckpt), "--slots", str(SLOTS), "--max_len", str(MAX_LEN),
+         "--max_queue", str(MAX_QUEUE), "--max_prefill", "4", "--request_timeout", "120",
+         "--log_level", "warning", "--warmup", "short"], log)
     text = log.read_text()
     assert "llm_jax.serve: tiny on http" in text  # the server's own log ...
     assert "Traceback" not in text, text  # ... where no request crashed anything
