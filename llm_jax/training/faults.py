@@ -30,7 +30,8 @@ def poison_loss(loss_fn: Callable[..., Any], step: jax.Array, nan_at_step: int) 
     def poisoned(params, **kwargs):
         loss, metrics = loss_fn(params, **kwargs)
         scale = jnp.where(step + 1 == nan_at_step, jnp.nan, 1.0).astype(loss.dtype)
-        return loss * scale, {**metrics, "loss": metrics["loss"] * scale}
+        return loss * scale, {**metrics, **{k: metrics[k] * scale for k in ("loss", "total_loss")
+                                            if k in metrics}}
 
     return poisoned
 

@@ -1,4 +1,4 @@
-"""The pure training and evaluation steps: loss, AdamW update, gradient accumulation.
+"""The pure training and evaluation steps: objective, AdamW update, gradient accumulation.
 
 Shapes: B global batch, A accumulation steps, M = B / A microbatch, T seq_len, V vocab,
 L layers, E experts.
@@ -114,16 +114,19 @@ def target_mask(batch: Batch) -> jax.Array:
     return mask
 
 
-def loss_fn(
-    params: nnx.State,
-    graphdef: nnx.GraphDef,
-    batch: Batch,
-    train: ml_collections.ConfigDict,
-    num_targets: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+# An objective: (model, batch, train config, num_targets) -> (loss, metrics), differentiated
+# by the step. `num_targets` is the global batch's counted targets / grad_accum_steps, so that
+# losses summed over a microbatch's targets and divided by it add up to the batch's mean; an
+# objective that normalises otherwise (RL's, DPO's) ignores it and its microbatch losses are
+# averaged. Metrics must hold "total_loss" (the value the step checks for finiteness).
+Objective = Callable[[Any, Batch, ml_collections.ConfigDict, jax.Array],
+                     tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def lm_objective(model: Any, batch: Batch, train: ml_collections.ConfigDict,
+                 num_targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy summed over counted targets / `num_targets` (so microbatches add up to the
     global batch's mean), + weighted MoE auxiliary losses (Switch load balancing, z-loss)."""
-    model = nnx.merge(graphdef, params)
     h_BTD, aux, _ = model.hidden_states(batch["inputs"], batch.get("positions"),
                                         batch.get("segment_ids"), train=True)
     ce = model.cross_entropy_sum(h_BTD, batch["targets"], target_mask(batch)) / num_targets
@@ -133,6 +136,18 @@ def loss_fn(
     metrics = {"loss": ce, "total_loss": loss, "load_balancing_loss": lb, "router_z_loss": z,
                "expert_load": aux.expert_load, "drop_fraction": aux.drop_fraction.mean()}
     return loss, metrics
+
+
+def loss_fn(
+    params: nnx.State,
+    graphdef: nnx.GraphDef,
+    batch: Batch,
+    train: ml_collections.ConfigDict,
+    num_targets: jax.Array,
+    objective: Objective = lm_objective,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`objective` (default: the language-model loss) of the model these params make."""
+    return objective(nnx.merge(graphdef, params), batch, train, num_targets)
 
 
 def split_frozen(state: TrainState, trainable: Any = TRAINABLE) -> tuple[TrainState, nnx.State]:
@@ -150,12 +165,13 @@ def train_step(
     tx: optax.GradientTransformation,
     train: ml_collections.ConfigDict,
     trainable: Any = TRAINABLE,
+    objective: Objective = lm_objective,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update from `grad_accum_steps` microbatches of the global batch; only the
-    `trainable` params get gradients and updates (the rest is frozen)."""
+    """One optimizer update of `objective` from `grad_accum_steps` microbatches of the global
+    batch; only the `trainable` params get gradients and updates (the rest is frozen)."""
     trained, frozen = split_frozen(state, trainable)
     new, metrics = train_step_frozen_apart(trained, frozen, batch, graphdef=graphdef, tx=tx,
-                                           train=train)
+                                           train=train, objective=objective)
     return new.replace(params=nnx.merge_state(new.params, frozen)), metrics
 
 
@@ -167,12 +183,13 @@ def train_step_frozen_apart(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
     train: ml_collections.ConfigDict,
+    objective: Objective = lm_objective,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """`train_step` on a state whose params are the trained ones only, the others in `frozen`
     (read, never returned: see `TrainStep`); returns the state the same way."""
     trained = state.params
     loss = lambda p, batch, num_targets: loss_fn(nnx.merge_state(p, frozen), graphdef, batch,  # noqa: E731
-                                                 train, num_targets)
+                                                 train, num_targets, objective)
     loss = faults.poison_loss(loss, state.step, train.get("inject_nan_at_step", -1))
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     a = train.grad_accum_steps
@@ -235,11 +252,12 @@ class TrainStep:
 def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                    train: ml_collections.ConfigDict, trainable: Any = TRAINABLE,
                    mesh: Mesh | None = None, state_sharding: Any = None,
-                   batch_sharding: Any = None) -> TrainStep:
-    """`train_step` jitted with its state donated and its frozen params apart (`TrainStep`);
-    with `state_sharding`, explicit in/out shardings."""
+                   batch_sharding: Any = None,
+                   objective: Objective = lm_objective) -> TrainStep:
+    """`train_step` of `objective` jitted with its state donated and its frozen params apart
+    (`TrainStep`); with `state_sharding`, explicit in/out shardings."""
     fn = with_mesh(functools.partial(train_step_frozen_apart, graphdef=graphdef, tx=tx,
-                                     train=train), mesh)
+                                     train=train, objective=objective), mesh)
     kwargs: dict[str, Any] = {}
     if state_sharding is not None:
         trained_sh, frozen_sh = split_frozen(state_sharding, trainable)
@@ -276,9 +294,11 @@ class Steps(flax.struct.PyTreeNode):
 def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh,
                   seed: int, model_fn: ModelFn | None = None,
                   trainable: Any = TRAINABLE, *,
-                  execution: ExecutionConfig = ExecutionConfig()) -> Steps:
+                  execution: ExecutionConfig = ExecutionConfig(),
+                  objective: Objective = lm_objective) -> Steps:
     """Jitted init/train/eval with shardings derived from the params' logical axes;
-    `model_fn`/`trainable`/`execution` as in init_state (LoRA: training/finetune.py)."""
+    `model_fn`/`trainable`/`execution` as in init_state (LoRA: training/finetune.py); the
+    train step minimises `objective` (default: the language-model loss)."""
     if train.batch_size % train.grad_accum_steps:
         raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
                          f"train.grad_accum_steps={train.grad_accum_steps}")
@@ -300,7 +320,7 @@ def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh
     rep = replicated(mesh)
     # Traced under the mesh, so activation constraints and the expert-parallel MoE see it.
     init = jax.jit(with_mesh(init_fn, mesh), out_shardings=state_sh)
-    step = jit_train_step(graphdef, tx, train, trainable, mesh, state_sh, batch_sh)
+    step = jit_train_step(graphdef, tx, train, trainable, mesh, state_sh, batch_sh, objective)
     evaluate = jax.jit(with_mesh(functools.partial(eval_step, graphdef=graphdef), mesh),
                        in_shardings=(state_sh.params, batch_sh), out_shardings=rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
