@@ -259,7 +259,9 @@ def _unwrap(x: Any) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(("batch", "length")))
+    """Rows split over the batch axes, every later dimension whole: one sharding for a batch's
+    arrays of any rank (tokens [B, T], RL's advantages [B] and routing [B, T, L, k])."""
+    return NamedSharding(mesh, logical_to_spec(("batch",)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -21,10 +21,12 @@ by the trainer); advantages [B]; optional positions, segment_ids [B, T]; sampler
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from llm_jax.model.unembed_loss import token_nll
 from llm_jax.training.policy_loss import PolicyLossConfig, policy_loss
@@ -63,3 +65,37 @@ def policy_objective(model: Any, batch: dict[str, jax.Array], cfg: PolicyLossCon
         tokens = jnp.maximum(mask.sum(), 1.0)
         metrics["sampler_logp_gap"] = (jnp.abs(logp - batch["sampler_logp"]) * mask).sum() / tokens
     return value + surrogate - jax.lax.stop_gradient(surrogate), metrics
+
+
+def rl_objective(cfg: PolicyLossConfig, *, temperature: float = 1.0) -> Any:
+    """`policy_objective` as the train step's objective (training/step.py `Objective`): it
+    normalises by itself (the step's target count is not used), and reports its value as
+    "loss" and "total_loss"."""
+    return functools.partial(_step_objective, cfg=cfg, temperature=temperature)
+
+
+def _step_objective(model: Any, batch: dict[str, jax.Array], train: ml_collections.ConfigDict,
+                    num_targets: jax.Array, *, cfg: PolicyLossConfig, temperature: float
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    del train, num_targets
+    loss, metrics = policy_objective(model, batch, cfg, temperature=temperature)
+    return loss, {**metrics, "loss": loss, "total_loss": loss}
+
+
+def rl_batch_shapes(batch_size: int, length: int, num_layers: int, experts_per_token: int, *,
+                    replay: bool = True, sampler_logp: bool = True, reference: bool = False
+                    ) -> dict[str, jax.ShapeDtypeStruct]:
+    """The arrays of an RL batch as the step reads them (`rollouts.rl_batch` plus old_logp, and
+    ref_logp when there is a KL term), for compiling the step ahead of time."""
+    b, t = batch_size, length
+    f32, i32 = jnp.float32, jnp.int32
+    shapes = {"inputs": ((b, t), i32), "targets": ((b, t), i32),
+              "completion_mask": ((b, t), f32), "old_logp": ((b, t), f32),
+              "advantages": ((b,), f32)}
+    if sampler_logp:
+        shapes["sampler_logp"] = ((b, t), f32)
+    if reference:
+        shapes["ref_logp"] = ((b, t), f32)
+    if replay:
+        shapes["experts"] = ((b, t, num_layers, experts_per_token), i32)
+    return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
