@@ -2,7 +2,8 @@
 only, packed into fixed rows whose examples never attend to each other.
 
 Sources: JSONL files of `{"messages": [{"role", "content"}, ...]}` or `{"prompt", "completion"}`
-lines, or a TFDS dataset by name with such a feature. A `messages` line may also carry `tools`
+lines, a TFDS dataset by name with such a feature, or a verifiable task's reference replies
+(`llm_jax.data.tasks`: the warm-up before RL). A `messages` line may also carry `tools`
 (OpenAI function tools) and `reasoning_effort`, passed to the renderer; its assistant messages
 may carry reasoning (`reasoning_content`, `reasoning` or `thinking`) and `tool_calls` (content
 then may be null), answered by `tool` messages.
