@@ -81,18 +81,27 @@ def evaluate(steps: Steps, params: Any, data: Any, num_batches: int) -> dict[str
     return result
 
 
-def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
+def sample_text(params: Any, cfg: ModelConfig, data: Any, *, seed: int,
                 num_samples: int = 3, max_new_tokens: int = 64,
                 model_fn: Any = None) -> list[str]:
-    """A few continuations of short code prompts, to see what the model learned."""
+    """A few samples, to see what the model learned: continuations of short code prompts
+    (pre-training data), or replies to held-out conversations (SFT data: `sample_prompts`)."""
     abstract = abstract_model(cfg) if model_fn is None else \
         nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0)))
     model = nnx.merge(nnx.graphdef(abstract), jax.device_get(params))
-    prompts = (["def ", "import ", "class ", "for ", "    return "] * num_samples)[:num_samples]
-    ids = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]  # documents start so
-    out = sample(model, ids, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
-                   seed=seed, eos_id=tokenizer.eos_id)
-    return [p + tokenizer.decode(list(o)) for p, o in zip(prompts, out)]
+    tokenizer = data.tokenizer
+    if hasattr(data, "sample_prompts"):
+        shown, ids = zip(*data.sample_prompts(num_samples)) if num_samples else ((), ())
+        shown = [f"{p}\n->" for p in shown]
+    else:
+        shown = (["def ", "import ", "class ", "for ", "    return "] * num_samples)[:num_samples]
+        ids = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in shown]  # documents start so
+    if not ids:
+        return []
+    tokens = getattr(tokenizer, "harmony", None)  # a harmony reply ends its turn with <|return|>
+    out = sample(model, list(ids), max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
+                 seed=seed, eos_id=tokenizer.eos_id if tokens is None else tokens.return_)
+    return [p + tokenizer.decode(list(o)) for p, o in zip(shown, out)]
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -395,7 +404,7 @@ def finish(run: Run) -> None:
         plot_expert_load(records, os.path.join(run.workdir, "expert_load.png"))
         samples = []
         if tc.num_samples and jax.process_count() == 1:  # multi-host params are not all here
-            samples = sample_text(run.progress.state.params, run.mcfg, run.data.tokenizer,
+            samples = sample_text(run.progress.state.params, run.mcfg, run.data,
                                   seed=run.cfg.seed, num_samples=tc.num_samples,
                                   model_fn=run.build)
         with open(os.path.join(run.workdir, "samples.txt"), "w") as f:
