@@ -174,11 +174,28 @@ def split_pairs(pairs: list[PreferencePair], validation_fraction: float
     return [p for p in pairs if p.key() not in held], [p for p in pairs if p.key() in held]
 
 
+class PairIterator(TaggedIterator):
+    """Batches of pairs; once a reference is attached (`PreferenceData.attach_reference`), each
+    with its pairs' reference log-probs, looked up by the pair's index: the pipeline's own
+    read-ahead never sees them, so attaching after it was built or restored is safe."""
+
+    def __init__(self, parent: grain.DatasetIterator, identity: dict[str, Any]):
+        super().__init__(parent, identity)
+        self.reference: np.ndarray | None = None  # [P, 2]
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = dict(next(self._parent))
+        index = batch.pop("pair_index")
+        if self.reference is not None:
+            batch["reference_logp"] = self.reference[index]
+        return batch
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreferenceData:
     """What the trainer needs (the fields it reads from `pipeline.Data` and `SFTData`)."""
 
-    train_iter: grain.DatasetIterator
+    train_iter: PairIterator
     tokenizer: HFTokenizer
     name: str
     rows: dict[str, np.ndarray]  # this process's train pairs, [P, 2, T] each
@@ -193,21 +210,28 @@ class PreferenceData:
         (another file, seq_len, batch size, seed, split or process count)."""
         check_saved_state(os.path.join(step_dir, "data"), self.train_iter.identity)
 
+    def _batch_arrays(self) -> dict[str, np.ndarray]:
+        out = dict(self.rows)
+        if self.train_iter.reference is not None:
+            out["reference_logp"] = self.train_iter.reference
+        return out
+
     @property
     def batch_dtypes(self) -> dict[str, np.dtype]:
-        return {k: v.dtype for k, v in self.rows.items()}
+        """Each array of a training batch and its dtype."""
+        return {k: v.dtype for k, v in self._batch_arrays().items()}
 
     def batch_shapes(self, global_batch: int) -> dict[str, tuple[int, ...]]:
         """Each array of a global training batch of `global_batch` pairs and its shape."""
-        return {k: (global_batch, *v.shape[1:]) for k, v in self.rows.items()}
+        return {k: (global_batch, *v.shape[1:]) for k, v in self._batch_arrays().items()}
 
     def attach_reference(self, train_B2: np.ndarray, eval_B2: np.ndarray | None) -> None:
         """Adds each pair's reference log-probs [P, 2] (full-fine-tuning DPO) to the train and
-        held-out pairs, as `reference_logp`; before the first batch is read."""
+        held-out pairs' batches, as `reference_logp`."""
         if train_B2.shape != (len(self.rows["inputs"]), 2):
             raise ValueError(f"reference log-probs of shape {train_B2.shape} for "
                              f"{len(self.rows['inputs'])} train pairs")
-        self.rows["reference_logp"] = np.asarray(train_B2, np.float32)
+        self.train_iter.reference = np.asarray(train_B2, np.float32)
         if self.eval_rows:
             self.eval_rows["reference_logp"] = np.asarray(eval_B2, np.float32)
 
@@ -293,12 +317,12 @@ def make_preference_data(dpo: Any, *, tokenizer_path: str, seq_len: int, batch_s
                  "%d train pairs", dpo.files, len(train), len(held), process_index,
                  process_count, len(rows["inputs"]))
     ds = (grain.MapDataset.range(len(rows["inputs"])).shuffle(seed=seed).repeat()
-          .map(lambda i: {k: v[i] for k, v in rows.items()})
+          .map(lambda i: {**{k: v[i] for k, v in rows.items()}, "pair_index": i})
           .batch(local_batch, drop_remainder=True).to_iter_dataset())
     # The saved iterator state is only meaningful for these same pairs in this order.
     identity = {"dataset": f"preference:{dpo.files}", "pairs": len(rows["inputs"]),
                 "seq_len": seq_len, "batch_size": batch_size, "shuffle_seed": seed,
                 "validation_fraction": fraction, "process_index": process_index,
                 "process_count": process_count}
-    return PreferenceData(TaggedIterator(iter(ds), identity), tok, dpo.files, rows, eval_rows,
+    return PreferenceData(PairIterator(iter(ds), identity), tok, dpo.files, rows, eval_rows,
                           bad, too_long, local_batch, process_count)
