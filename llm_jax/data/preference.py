@@ -235,23 +235,31 @@ class PreferenceData:
         if self.eval_rows:
             self.eval_rows["reference_logp"] = np.asarray(eval_B2, np.float32)
 
+    def padded_batches(self, split: str, num_batches: int
+                       ) -> Iterator[dict[str, np.ndarray]]:
+        """`num_batches` batches of this process's "train" or "eval" pairs in order, unshuffled,
+        padded with empty pairs (no response token) where the pairs run out."""
+        rows = self.rows if split == "train" else self.eval_rows
+        for i in range(num_batches):
+            batch = {k: np.zeros((self.batch_size, *v.shape[1:]), v.dtype)
+                     for k, v in self.rows.items()}
+            for k, v in rows.items():
+                part = v[i * self.batch_size:(i + 1) * self.batch_size]
+                batch.setdefault(k, np.zeros((self.batch_size, *v.shape[1:]), v.dtype))
+                batch[k][:len(part)] = part
+            yield batch
+
     def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-        """The first `num_batches` batches of this process's held-out pairs, unshuffled,
-        padded with empty pairs where the share is shorter, so every process runs the same
-        number (None = the whole share: one process only). Nothing when nothing is held out."""
+        """The first `num_batches` batches of this process's held-out pairs (`padded_batches`),
+        so every process runs the same number (None = the whole share: one process only).
+        Nothing when nothing is held out."""
         if not self.eval_rows:
             return
-        n = -(-len(self.eval_rows["inputs"]) // self.batch_size)
         if num_batches is None and self.process_count > 1:
             raise ValueError("make_eval_iter(None) reads each process's whole share, a "
                              "different number of batches per process: pass num_batches")
-        for i in range(n if num_batches is None else num_batches):
-            batch = {k: np.zeros((self.batch_size, *v.shape[1:]), v.dtype)
-                     for k, v in self.eval_rows.items()}
-            for k, v in self.eval_rows.items():
-                part = v[i * self.batch_size:(i + 1) * self.batch_size]
-                batch[k][:len(part)] = part
-            yield batch
+        n = -(-len(self.eval_rows["inputs"]) // self.batch_size)
+        yield from self.padded_batches("eval", n if num_batches is None else num_batches)
 
 
 def _render(tok: HFTokenizer, pairs: list[PreferencePair], seq_len: int, on_bad_line: str,

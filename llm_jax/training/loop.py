@@ -244,12 +244,12 @@ def _open_data(cfg: ml_collections.ConfigDict, workdir: str, mcfg: ModelConfig) 
     tc, is_main = cfg.train, jax.process_index() == 0
     if not is_main:
         distributed.barrier("data")
-    sft = bool(cfg.sft.files or cfg.sft.tfds_name or cfg.dpo.files)
+    chat = bool(cfg.sft.files or cfg.sft.tfds_name or cfg.dpo.files)  # a checkpoint's tokenizer
     if cfg.dpo.files:
         data = make_preference_data(cfg.dpo, tokenizer_path=cfg.dpo.tokenizer or tc.init_from,
                                     seq_len=cfg.data.seq_len, batch_size=tc.batch_size,
                                     seed=cfg.seed)
-    elif sft:
+    elif chat:
         data = make_sft_data(cfg.sft, tokenizer_path=cfg.sft.tokenizer or tc.init_from,
                              seq_len=cfg.data.seq_len, batch_size=tc.batch_size, seed=cfg.seed)
     else:
@@ -257,10 +257,10 @@ def _open_data(cfg: ml_collections.ConfigDict, workdir: str, mcfg: ModelConfig) 
                              global_batch_size=tc.batch_size)
     if is_main:
         distributed.barrier("data")
-    if sft and data.tokenizer.vocab_size > mcfg.vocab_size:
+    if chat and data.tokenizer.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer {data.tokenizer.path} has {data.tokenizer.vocab_size} "
                          f"tokens, more than the model's vocab_size={mcfg.vocab_size}")
-    if not sft and data.tokenizer.vocab_size != mcfg.vocab_size:
+    if not chat and data.tokenizer.vocab_size != mcfg.vocab_size:
         raise ValueError(f"tokenizer in {workdir} has vocab {data.tokenizer.vocab_size}, "
                          f"model.vocab_size is {mcfg.vocab_size}")
     return data
@@ -360,7 +360,8 @@ def log(run: Run, done: int, metrics: dict[str, Any], bar: Any) -> None:
     now = time.perf_counter()
     record = {k: (v if k == "expert_load" else float(v)) for k, v in m.items()}
     if done > run.start + 1:  # the first step includes compilation
-        tps = p.steps_since_log * tc.batch_size * run.cfg.data.seq_len / (now - p.t_log)
+        rows = 2 if run.cfg.dpo.files else 1  # a preference pair is two sequences
+        tps = p.steps_since_log * tc.batch_size * rows * run.cfg.data.seq_len / (now - p.t_log)
         record |= {"tokens_per_sec": tps, "step_time": (now - p.t_log) / p.steps_since_log,
                    "mfu": tps * run.flops_per_token / run.peak}
     p.t_log, p.steps_since_log = now, 0

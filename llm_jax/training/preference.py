@@ -17,7 +17,7 @@ the policy is the reference).
 
 The reference of DPO: with LoRA, the same model with its adapters zeroed (the base: no second
 copy), run inside the step; in full fine-tuning, per-pair log-probs computed once with the
-initial params before training (`reference_logps`) and served with the batch as
+initial params before training (`attach_reference`) and served with the batch as
 `reference_logp` [B, 2].
 
 Gradients never form [N, T, V] logits: as in training/rl_step.py, the token log-probs are
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from llm_jax.model.lora import LoRAParam
 from llm_jax.parallel import distributed
@@ -153,7 +154,7 @@ def adapters_off(model: Any) -> Any:
     if not jax.tree.leaves(adapters):
         raise ValueError("dpo.loss='dpo' needs a reference policy: with lora.rank > 0 it is the "
                          "base (adapters off); in full fine-tuning the batch must carry "
-                         "reference_logp (training/preference.reference_logps)")
+                         "reference_logp (training/preference.attach_reference)")
     zeros = jax.tree.map(jnp.zeros_like, adapters)
     return nnx.merge(graphdef, zeros, jax.lax.stop_gradient(rest))
 
@@ -260,29 +261,16 @@ def _sums_step(params: nnx.State, batch: dict[str, jax.Array], *,
     return pair_sums(logp_NT, mask_NT)
 
 
-def pair_logps(steps: Any, params: nnx.State, model_fn: Any, mesh: Any,
-               rows: dict[str, np.ndarray], local_batch: int, num_batches: int) -> np.ndarray:
-    """Summed log-probs [P, 2] of this process's pairs `rows` under `params` (the dropless
-    forward), in `num_batches` batches of `local_batch` pairs a process (the same number on
-    every process: the step is global), the last padded."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0))))
-    step = jax.jit(with_mesh(functools.partial(_sums_step, graphdef=graphdef), mesh),
-                   in_shardings=(steps.state_sharding.params, steps.batch_sharding),
-                   out_shardings=replicated(mesh))
-    keys = [k for k in ROW_KEYS if k in rows]
-    n = len(rows["inputs"]) if rows else 0
-    out = np.zeros((n, 2), np.float32)
-    for i in range(num_batches):
-        batch = {k: np.zeros((local_batch, *rows[k].shape[1:]) if n else (local_batch, 2, 1),
-                             rows[k].dtype if n else np.int32) for k in keys}
-        part = slice(i * local_batch, min((i + 1) * local_batch, n))
-        for k in keys:
-            batch[k][:part.stop - part.start] = rows[k][part]
-        sums = np.asarray(jax.device_get(step(params, distributed.global_batch(
-            batch, steps.batch_sharding))))
-        mine = distributed.local_rows(steps.batch_sharding, sums.shape[0])
-        out[part] = sums[mine][:part.stop - part.start]
-    return out
+def pair_logps(step: Any, params: nnx.State, batches: Any, sharding: Any, n: int
+               ) -> np.ndarray:
+    """Summed log-probs [n, 2] of this process's first `n` pairs, from `step(params, batch)`
+    over its `batches` (every process runs as many: the step is global)."""
+    out = [np.zeros((0, 2), np.float32)]
+    for batch in batches:
+        sums = np.asarray(jax.device_get(step(params, distributed.global_batch(batch,
+                                                                               sharding))))
+        out.append(sums[distributed.local_rows(sharding, len(sums))])
+    return np.concatenate(out)[:n]
 
 
 def attach_reference(data: Any, steps: Any, params: nnx.State, model_fn: Any, mesh: Any,
@@ -308,21 +296,22 @@ def attach_reference(data: Any, steps: Any, params: nnx.State, model_fn: Any, me
                                  "--workdir")
             data.attach_reference(saved["train"], saved["eval"] if data.eval_rows else None)
         return
-    batches = []
-    for rows in (data.rows, data.eval_rows):
-        n = -(-len(rows["inputs"]) // data.batch_size) if rows else 0
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0))))
+    step = jax.jit(with_mesh(functools.partial(_sums_step, graphdef=graphdef), mesh),
+                   in_shardings=(steps.state_sharding.params, steps.batch_sharding),
+                   out_shardings=replicated(mesh))
+    logps = []
+    for split in ("train", "eval"):
+        rows = data.rows if split == "train" else data.eval_rows
+        n = len(rows["inputs"]) if rows else 0
+        num_batches = -(-n // data.batch_size)
         if count > 1:
-            from jax.experimental import multihost_utils
-
-            n = int(np.max(multihost_utils.process_allgather(np.asarray(n))))
-        batches.append(n)
-    train = pair_logps(steps, params, model_fn, mesh, data.rows, data.batch_size, batches[0])
-    held = (pair_logps(steps, params, model_fn, mesh, data.eval_rows, data.batch_size,
-                       batches[1]) if batches[1] else np.zeros((0, 2), np.float32))
+            num_batches = int(np.max(multihost_utils.process_allgather(
+                np.asarray(num_batches))))
+        logps.append(pair_logps(step, params, data.padded_batches(split, num_batches),
+                                steps.batch_sharding, n))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp.npz"
-    np.savez(tmp, train=train, eval=held[:len(data.eval_rows.get("inputs", []))],
-             identity=np.asarray(identity))
+    np.savez(tmp, train=logps[0], eval=logps[1], identity=np.asarray(identity))
     os.replace(tmp, path)
-    data.attach_reference(train, held[:len(data.eval_rows.get("inputs", []))]
-                          if data.eval_rows else None)
+    data.attach_reference(logps[0], logps[1] if data.eval_rows else None)

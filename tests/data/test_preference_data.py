@@ -154,3 +154,22 @@ def test_the_iterator_resumes_where_its_state_was_saved(data_dir):
     np.testing.assert_array_equal([next(second.train_iter)["inputs"] for _ in range(2)], want)
     with pytest.raises(ValueError, match="shuffle_seed: saved 0, now 1"):
         make(seed=1).train_iter.set_state(state)
+
+
+def test_attached_reference_log_probs_follow_their_pairs(data_dir):
+    data = make_preference_data(section(data_dir / "pairs.jsonl"), tokenizer_path=str(data_dir),
+                                seq_len=48, batch_size=4, seed=0)
+    next(data.train_iter)  # attached after the pipeline has started reading ahead
+    n, m = len(data.rows["inputs"]), len(data.eval_rows["inputs"])
+    data.attach_reference(np.stack([np.arange(n), -np.arange(n)], 1).astype(np.float32),
+                          np.stack([np.arange(m), -np.arange(m)], 1).astype(np.float32))
+    assert data.batch_shapes(8)["reference_logp"] == (8, 2)
+    for _ in range(3):
+        batch = next(data.train_iter)
+        for inputs, ref in zip(batch["inputs"], batch["reference_logp"]):
+            np.testing.assert_array_equal(data.rows["inputs"][int(ref[0])], inputs)
+            assert ref[1] == -ref[0]
+    first = next(data.make_eval_iter(1))
+    np.testing.assert_array_equal(first["reference_logp"][:, 0], np.arange(4))
+    with pytest.raises(ValueError, match="reference log-probs of shape"):
+        data.attach_reference(np.zeros((n + 1, 2), np.float32), None)
