@@ -1,12 +1,15 @@
 """DPO on a synthetic preference set, from scratch on CPU in about a minute: a tiny model learns
-which kind of thing a word is from pairs of replies (llm_jax/data/preference_synthetic.py).
+which kind of thing a word is from pairs of replies (llm_jax/data/preference_synthetic.py);
+held-out preference accuracy 0.5 at step 0, 0.94 at step 50, 1.0 from step 80
+(docs/posttraining.md, "Measured").
 
     python -m llm_jax.data.preference_synthetic --out runs/dpo_data
     python -m llm_jax.train --config configs/dpo_tiny.py --workdir runs/dpo_tiny
 
 Full fine-tuning (lora.rank=0): the reference policy is the initial model, whose log-probs of
 every pair are computed once before step 1 (WORKDIR/dpo_reference). `--config.lora.rank=8`
-trains adapters instead, the reference then being the base with the adapters off;
+trains adapters instead, the reference then being the base with the adapters off (with
+`--config.dpo.beta=0.5 --config.train.learning_rate=3e-3 --config.train.num_steps=200`);
 `--config.dpo.loss=simpo --config.dpo.beta=2.0` is reference-free (docs/posttraining.md).
 """
 
