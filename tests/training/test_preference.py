@@ -241,3 +241,7 @@ def test_full_fine_tuning_dpo_learns_the_held_out_preferences_and_resumes(tmp_pa
     assert records[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)  # policy = reference
     assert records[1]["val_preference_accuracy"] < 0.8 <= 0.9 <= last["val_preference_accuracy"]
     assert last["val_reward_margin"] > 0
+    # Without its reference log-probs a resumed run cannot go on: the initial params are gone.
+    reference.unlink()
+    with pytest.raises(ValueError, match="has no reference log-probs .*dpo_reference"):
+        train(dpo_run_config(tmp_path / "data", **{"train.num_steps": 70}), str(workdir))
