@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import SMALL_MODEL, read_records
+from helpers import SMALL_MODEL, read_records, tiny_train
 
 from llm_jax.data.preference_synthetic import write_synthetic_preferences
 from llm_jax.model import init_model
 from llm_jax.model.lora import LoRAParam, add_lora
+from llm_jax.parallel.sharding import mesh_from_config
 from llm_jax.training.loop import train
 from llm_jax.training.preference import (
     PreferenceConfig,
@@ -28,8 +29,10 @@ from llm_jax.training.preference import (
     preference_loss,
     preference_objective,
     sequence_logprobs,
+    step_functions,
 )
 from llm_jax.training.run_config import default_run_config
+from llm_jax.training.step import compile_steps
 
 # Four pairs: chosen ahead, rejected ahead, a tie, and one far from the reference.
 LOGP = np.array([[-3.0, -5.0], [-10.0, -4.0], [-2.5, -2.5], [-40.0, -1.0]], np.float32)
@@ -199,6 +202,22 @@ def test_value_and_gradients_equal_the_plain_full_logits_computation(cfg):
     assert len(flat) == len(want_flat) == 6 and max(np.abs(g).max() for g in want_flat) > 1e-3
     for g, w in zip(flat, want_flat):
         np.testing.assert_allclose(g, w, atol=2e-5 * max(np.abs(w).max(), 1e-6), rtol=0)
+
+
+def test_gradient_accumulation_over_pairs_equals_one_batch():
+    """Microbatches split the batch by pairs, never a pair: two of two pairs each make the
+    update one batch of four makes."""
+    batch = {k: jnp.concatenate([v, v[:1]]) for k, v in pair_batch().items()}  # 4 pairs
+    mesh = mesh_from_config(default_run_config("t", SMALL_MODEL).mesh)
+    updates = []
+    for accumulate in (1, 2):
+        steps = compile_steps(SMALL_MODEL, tiny_train(batch_size=4, grad_accum_steps=accumulate),
+                              mesh, 0, **step_functions(PreferenceConfig("simpo", beta=2.0)))
+        state, metrics = steps.train(steps.init(), batch)
+        updates.append((metrics["loss"], jax.tree.leaves(state.params)))
+    np.testing.assert_allclose(updates[0][0], updates[1][0], rtol=1e-6)
+    for one, two in zip(updates[0][1], updates[1][1]):
+        np.testing.assert_allclose(one, two, rtol=0, atol=1e-6)
 
 
 def test_dpo_without_adapters_or_precomputed_reference_is_refused():
