@@ -9,7 +9,7 @@ for DPO, under the reference policy) and its length in tokens:
   Mitchell 2023: each label is wrong with probability e)
   (1 - e) (-log sigmoid(h)) + e (-log sigmoid(-h)), h = r_chosen - r_rejected.
 - SimPO (Meng et al. 2024, eq. 6): no reference; rewards r = beta log pi(y|x) / |y| (the
-  length-normalised log-probability, the quantity sampling ranks by), loss
+  average log-probability, the likelihood generation ranks candidates by), loss
   -log sigmoid(r_chosen - r_rejected - gamma) with a target margin gamma.
 Metrics: the mean rewards, the reward margin r_chosen - r_rejected, and the preference accuracy,
 the share of pairs whose margin is > 0, a tie counting a half (DPO starts with every margin 0:
