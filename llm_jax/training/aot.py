@@ -251,7 +251,8 @@ def compile_rl(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
     hbm = HBM_BYTES.get(kind)
     lora = run_cfg.get("lora")
     return {"name": run_cfg.get("name", ""), "device_kind": kind, "devices": len(devices),
-            "program": "rl", "mesh": dict(m.shape), "batch": batch, "seq_len": seq_len,
+            "program": "rl", "config": cfg.to_dict(), "mesh": dict(m.shape), "batch": batch,
+            "seq_len": seq_len,
             "lora_rank": lora.rank if lora is not None else 0,
             "expert_format": cfg.expert_format, "moe_dispatch": execution.moe_dispatch,
             "remat": execution.remat, "step": step, "decode": decode,
