@@ -197,6 +197,11 @@ def run(*, repeats: int = 3, quick: bool = False, prompts: int = 4, group: int =
     cfg = quick_model_config() if quick else model_config(run_cfg)
     if quick:
         prompts, group, prompt_len, new_tokens, steps, repeats = 2, 2, 8, 8, 2, 1
+    for name, value, least in (("prompts", prompts, 1), ("group", group, 1),
+                               ("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 1),
+                               ("steps", steps, 2)):  # the first step compiles: one more
+        if value < least:
+            raise ValueError(f"--{name}={value}: expected at least {least}")
     cfg = cfg.replace(dtype="bfloat16", param_dtype="bfloat16")
     execution = dataclasses.replace(execution_config(run_cfg), moe_dispatch="auto")
     model = init_model(cfg, seed, execution=execution)
