@@ -7,8 +7,9 @@ slice or a simulated CPU mesh, with its per-chip memory (the compiling is llm_ja
     python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5e-1 --program generate \
         --config.model.expert_format=mxfp4 [--batch 1 --prompt_len 4096 --new_tokens 128]
-    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v6e-4 --program rl \
-        --config.lora.rank=16 --config.model.expert_format=mxfp4 [--batch 8 --seq_len 2048]
+    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v6e-1 --program rl \
+        --config.lora.rank=16 --config.model.expert_format=mxfp4 --config.execution.remat=True \
+        --config.train.grad_accum_steps=8 [--batch 8 --seq_len 2048]
 
 `--program rl` compiles the two programs of an RL step on one mesh: the policy update
 (`rl_step.rl_objective`, routing replayed) over --batch completions of --seq_len positions, and
