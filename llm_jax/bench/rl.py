@@ -19,7 +19,8 @@ interleaved; completions never stop early (no stop tokens), so both sample the s
 tokens. Then `steps` RL steps as the loop runs them: rollout, the trainer's forward for the
 old log-probs, the jitted update (`jit_train_step` with `rl_step.rl_objective`), and
 `Engine.set_weights` with the updated model; the hand-over is the time from the update's end
-to the next rollout's first token. Medians over the steps after the first (which compiles).
+to the next rollout's first token. Means over the steps after the first (which compiles);
+the rest of a step is host work (the batch's layout, advantages, transfers).
 """
 
 from __future__ import annotations
@@ -180,14 +181,16 @@ def measure_steps(model: nnx.Module, ecfg: EngineConfig, train: Any, prompts: li
         if updated_at is not None:  # the previous update ended right before this step began
             row["handover_s"] = engine.first_token_at - updated_at
             row["set_weights_s"] = handed_over - t0
-            row["handover_share"] = row["handover_s"] / row["step_s"]
-            row["rollout_share"] = row["rollout_s"] / row["step_s"]
         rows.append(row)
         updated_at = t3
+    # Means over the steps after the first (which compiles), so that the phases add up to the
+    # step and each share is its phase's part of the time spent.
     timed = rows[1:]
-    keys = ("rollout_s", "old_logp_s", "update_s", "step_s", "handover_s", "set_weights_s",
-            "handover_share", "rollout_share")
-    return {"steps": rows, **{k: median([r[k] for r in timed]) for k in keys}}
+    keys = ("rollout_s", "old_logp_s", "update_s", "step_s", "handover_s", "set_weights_s")
+    out = {"steps": rows, **{k: sum(r[k] for r in timed) / len(timed) for k in keys}}
+    for k in keys:
+        out[k.removesuffix("_s") + "_share"] = out[k] / out["step_s"]
+    return out
 
 
 def run(*, repeats: int = 3, quick: bool = False, prompts: int = 4, group: int = 8,
@@ -237,15 +240,12 @@ def format_result(r: dict[str, Any]) -> str:
               [["rollout (record=True)", sp["rollout"]["tokens_per_s"], sp["rollout"]["seconds"]],
                ["engine (record=False)", sp["engine"]["tokens_per_s"], sp["engine"]["seconds"]]]),
         f"rollout / engine: {sp['ratio']:.2f}x",
-        table(["RL step (median)", "s", "share of the step"],
-              [["rollout", st["rollout_s"], f"{st['rollout_share']:.1%}"],
-               ["old log-probs forward", st["old_logp_s"], f"{st['old_logp_s'] / st['step_s']:.1%}"],
-               ["update", st["update_s"], f"{st['update_s'] / st['step_s']:.1%}"],
-               ["update -> next rollout's first token", st["handover_s"],
-                f"{st['handover_share']:.1%}"],
-               ["  of which Engine.set_weights", st["set_weights_s"],
-                f"{st['set_weights_s'] / st['step_s']:.1%}"],
-               ["whole step", st["step_s"], "100%"]]),
+        table(["RL step (mean)", "s", "share of the step"],
+              [[name, st[f"{k}_s"], f"{st[f'{k}_share']:.1%}"] for name, k in (
+                  ("rollout (set_weights included)", "rollout"),
+                  ("old log-probs forward", "old_logp"), ("update", "update"),
+                  ("update -> next rollout's first token", "handover"),
+                  ("  of which Engine.set_weights", "set_weights"), ("whole step", "step"))]),
     ])
 
 
