@@ -20,7 +20,8 @@ tokens. Then `steps` RL steps as the loop runs them: rollout, the trainer's forw
 old log-probs, the jitted update (`jit_train_step` with `rl_step.rl_objective`), and
 `Engine.set_weights` with the updated model; the hand-over is the time from the update's end
 to the next rollout's first token. Means over the steps after the first (which compiles);
-the rest of a step is host work (the batch's layout, advantages, transfers).
+the old log-probs phase includes the host's work between rollout and update (the batch's layout,
+advantages, transfers).
 """
 
 from __future__ import annotations
