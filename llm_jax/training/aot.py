@@ -11,7 +11,9 @@ to it, the arithmetic estimate of `costs.memory_per_device`.
 `compile_generate` does the same for the generation program (`llm_jax.sample` with a mesh), and
 `compile_inference` reports its per-chip memory as `compile_train_step` does (`python -m
 llm_jax.compile --program generate`). A run config with `lora.rank > 0` compiles the LoRA
-train step (QLoRA with `model.expert_format=mxfp4`: the packed base frozen).
+train step (QLoRA with `model.expert_format=mxfp4`: the packed base frozen). `compile_rl` compiles
+an RL step's policy update and the engine's decode step that samples its rollouts on one mesh
+(`--program rl`).
 
 Topology names: `v5p-N`, `v4-N`, `tpu7x-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N`
 count chips (Cloud TPU accelerator types); or libtpu's own `v5p:2x2x4`. A v4 or v5p chip is one
@@ -261,7 +263,8 @@ def compile_rl(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
             "fits_with_10_percent_spare": None if hbm is None else together <= 0.9 * hbm}
 
 
-def _compile_rl_step(run_cfg, cfg, execution, mesh, batch: int, seq_len: int) -> dict[str, Any]:
+def _compile_rl_step(run_cfg: ml_collections.ConfigDict, cfg: Any, execution: ExecutionConfig,
+                     mesh: Any, batch: int, seq_len: int) -> dict[str, Any]:
     """The RL update (DAPO defaults, sampler log-probs and replay in the batch), compiled."""
     tc = ml_collections.ConfigDict(run_cfg.train.to_dict())
     tc.batch_size = batch
@@ -282,7 +285,8 @@ def _compile_rl_step(run_cfg, cfg, execution, mesh, batch: int, seq_len: int) ->
             **_memory(compiled, mesh.devices.flat[0].device_kind)}
 
 
-def _compile_engine_decode(run_cfg, cfg, execution, mesh, slots: int,
+def _compile_engine_decode(run_cfg: ml_collections.ConfigDict, cfg: Any,
+                           execution: ExecutionConfig, mesh: Any, slots: int,
                            max_len: int) -> dict[str, Any]:
     """`Engine`'s decode step (inference/engine.py `decode_jit`, sampled, recording) over
     `slots` rows of a `max_len` cache, the weights sharded by the rules, compiled."""
