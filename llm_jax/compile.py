@@ -7,7 +7,13 @@ slice or a simulated CPU mesh, with its per-chip memory (the compiling is llm_ja
     python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5e-1 --program generate \
         --config.model.expert_format=mxfp4 [--batch 1 --prompt_len 4096 --new_tokens 128]
+    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v6e-1 --program rl \
+        --config.lora.rank=16 --config.model.expert_format=mxfp4 --config.execution.remat=True \
+        --config.train.grad_accum_steps=8 [--batch 8 --seq_len 2048]
 
+`--program rl` compiles the two programs of an RL step on one mesh: the policy update
+(`rl_step.rl_objective`, routing replayed) over --batch completions of --seq_len positions, and
+the engine's decode step that samples them (--batch slots), with their sum on one chip.
 `--program generate` compiles `llm_jax.sample` (prefill + decode loop, weights sharded by the
 rules); a config with `--config.lora.rank=R` compiles the LoRA step (QLoRA over packed experts
 with `--config.model.expert_format=mxfp4`).
@@ -29,7 +35,7 @@ from ml_collections import config_flags
 from llm_jax.parallel.sharding import parse_mesh
 from llm_jax.runtime.cli import fail, parse_flags
 from llm_jax.runtime.units import format_bytes
-from llm_jax.training.aot import compile_inference, compile_train_step, tpu_devices
+from llm_jax.training.aot import compile_inference, compile_rl, compile_train_step, tpu_devices
 
 
 def _fits(r: dict[str, Any]) -> str:
@@ -56,7 +62,39 @@ def format_inference(r: dict[str, Any]) -> str:
     ])
 
 
+def format_rl(r: dict[str, Any]) -> str:
+    """The RL update step and the engine's decode step, and the two on one chip."""
+    s, d = r["step"], r["decode"]
+    mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items())
+    spare = r["fits_with_10_percent_spare"]
+    return "\n".join([
+        f"# {r['name']} RL step on {r['devices']} x {r['device_kind']}, mesh {mesh}, "
+        f"{r['batch']} completions x {r['seq_len']} positions, LoRA rank {r['lora_rank']}, "
+        f"experts {r['expert_format']}, dispatch {r['moe_dispatch']}, remat {r['remat']}",
+        "per chip, compiled (memory_analysis):",
+        f"  policy update: arguments {format_bytes(s['bytes']['arguments'])}, temporaries "
+        f"{format_bytes(s['bytes']['temp'])}, total {format_bytes(s['bytes']['total'])} "
+        f"(compiled in {s['compile_seconds']:.1f} s)",
+        f"  engine decode step ({d['slots']} slots x {d['max_len']}): arguments "
+        f"{format_bytes(d['bytes']['arguments'])} of which weights "
+        f"{format_bytes(d['weights_bytes'])}, temporaries {format_bytes(d['bytes']['temp'])}, "
+        f"total {format_bytes(d['bytes']['total'])} (compiled in {d['compile_seconds']:.1f} s)",
+        f"  together, one copy of the weights: {format_bytes(r['together_bytes'])}: "
+        f"{_fits(r)}" + ("" if spare is None else
+                         f"; {'with' if spare else 'WITHOUT'} 10 % to spare"),
+    ])
+
+
+def _compile_rl(devices: list[Any], mesh: dict[str, int] | None) -> dict[str, Any]:
+    """`--program rl`: the policy update and the rollouts' decode step (training/aot.py)."""
+    FLAGS = flags.FLAGS
+    return compile_rl(FLAGS.config, devices, mesh=mesh, batch=FLAGS.batch or 8,
+                      seq_len=FLAGS.seq_len or 2048)
+
+
 def format_result(r: dict[str, Any]) -> str:
+    if r["program"] == "rl":
+        return format_rl(r)
     if r["program"].startswith("generate"):
         return format_inference(r)
     b, e = r["bytes"], r["estimate"]
@@ -107,7 +145,9 @@ def main(argv: list[str]) -> None:
             devices = jax.devices()
         mesh = parse_mesh(FLAGS.mesh, allow_fill=True) if FLAGS.mesh else None
         dcn = parse_mesh(FLAGS.dcn) if FLAGS.dcn else None
-        if FLAGS.program == "generate":
+        if FLAGS.program == "rl":
+            result = _compile_rl(devices, mesh)
+        elif FLAGS.program == "generate":
             result = compile_inference(FLAGS.config, devices, mesh=mesh, batch=FLAGS.batch or 1,
                                        prompt_len=FLAGS.prompt_len or FLAGS.seq_len or 4096,
                                        new_tokens=FLAGS.new_tokens)
@@ -132,8 +172,10 @@ def _define_flags() -> None:
     flags.DEFINE_string("dcn", "", "mesh axis sizes across slices, e.g. data=2")
     flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
     flags.DEFINE_integer("seq_len", None, "sequence length (default: data.seq_len)")
-    flags.DEFINE_enum("program", "train", ["train", "generate"], "the train step, or "
-                      "generation (prefill + decode loop)")
+    flags.DEFINE_enum("program", "train", ["train", "generate", "rl"], "the train step, "
+                      "generation (prefill + decode loop), or an RL step's policy update and "
+                      "the engine's decode step (--batch completions, default 8; --seq_len "
+                      "positions each, default 2048)")
     flags.DEFINE_integer("prompt_len", None, "generate: prompt length (default --seq_len, "
                          "else 4096)")
     flags.DEFINE_integer("new_tokens", 128, "generate: tokens decoded after the prompt")

@@ -1,7 +1,7 @@
 """`python -m llm_jax.bench SUBCOMMAND`: print a table, write JSON (--json_out).
 
 Subcommands: peak, train, malloc, decode, prefill, moe, norm, attention, data, finetune, stacks,
-serve, serve_harmony, mxfp4 (one module each in llm_jax/bench/). Every one takes --repeats N, --quick (tiny sizes,
+serve, serve_harmony, mxfp4, rl (one module each in llm_jax/bench/). Every one takes --repeats N, --quick (tiny sizes,
 for tests) and --json_out FILE (default runs/bench/SUBCOMMAND.json). Results and how to read
 them: docs/benchmarks.md.
 """
@@ -18,7 +18,7 @@ from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.runtime.malloc import use_preferred_malloc
 
 SUBCOMMANDS = ("peak", "train", "malloc", "decode", "prefill", "moe", "norm", "attention", "data",
-               "finetune", "stacks", "serve", "serve_harmony", "mxfp4")
+               "finetune", "stacks", "serve", "serve_harmony", "mxfp4", "rl")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

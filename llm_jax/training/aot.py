@@ -11,7 +11,9 @@ to it, the arithmetic estimate of `costs.memory_per_device`.
 `compile_generate` does the same for the generation program (`llm_jax.sample` with a mesh), and
 `compile_inference` reports its per-chip memory as `compile_train_step` does (`python -m
 llm_jax.compile --program generate`). A run config with `lora.rank > 0` compiles the LoRA
-train step (QLoRA with `model.expert_format=mxfp4`: the packed base frozen).
+train step (QLoRA with `model.expert_format=mxfp4`: the packed base frozen). `compile_rl` compiles
+an RL step's policy update and the engine's decode step that samples its rollouts on one mesh
+(`--program rl`).
 
 Topology names: `v5p-N`, `v4-N`, `tpu7x-N` count TensorCores (2 per chip), `v5e-N`, `v6e-N`
 count chips (Cloud TPU accelerator types); or libtpu's own `v5p:2x2x4`. A v4 or v5p chip is one
@@ -21,6 +23,7 @@ half the chip's HBM.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -33,14 +36,18 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llm_jax.execution import ExecutionConfig
-from llm_jax.inference.loop import generate_jit
+from llm_jax.inference.engine import decode_jit
+from llm_jax.inference.loop import generate_jit, slice_layers_once
 from llm_jax.inference.sampler import program_inputs
 from llm_jax.model import abstract_model, costs
+from llm_jax.model.kv_cache import cache_shardings, init_cache
 from llm_jax.model.select import kernels_line
 from llm_jax.parallel import roofline
 from llm_jax.parallel.sharding import MESH_AXES, make_mesh, state_shardings
 from llm_jax.runtime.backend import compiling_for
 from llm_jax.training import finetune
+from llm_jax.training.policy_loss import PolicyLossConfig
+from llm_jax.training.rl_step import rl_batch_shapes, rl_objective
 from llm_jax.training.run_config import execution_config, model_config
 from llm_jax.training.step import compile_steps
 
@@ -109,9 +116,8 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
     t0 = time.perf_counter()
     lora = run_cfg.get("lora")
     rank = lora.rank if lora is not None else 0
-    kw = ({"model_fn": finetune.model_fn(cfg, lora, run_cfg.seed, execution),
-           "trainable": finetune.trainable(lora)} if rank else {})
-    steps = compile_steps(cfg, tc, m, run_cfg.seed, execution=execution, **kw)
+    steps = compile_steps(cfg, tc, m, run_cfg.seed, execution=execution,
+                          **_lora_kwargs(run_cfg, cfg, execution))
     tokens = jax.ShapeDtypeStruct((tc.batch_size, seq_len), jnp.int32,
                                   sharding=steps.batch_sharding)
     platform = getattr(devices[0], "platform", "tpu")
@@ -150,6 +156,17 @@ def compile_train_step(run_cfg: ml_collections.ConfigDict, devices: list[Any], *
         "estimate": {k: estimate[k] for k in ("params", "grads", "adam_m_v", "activations",
                                               "working", "total")},
     }
+
+
+def _lora_kwargs(run_cfg: ml_collections.ConfigDict, cfg: Any,
+                 execution: ExecutionConfig) -> dict[str, Any]:
+    """`compile_steps`' model_fn and trainable for a run config with `lora.rank > 0` (adapters
+    trained, the base frozen); none for full training."""
+    lora = run_cfg.get("lora")
+    if lora is None or not lora.rank:
+        return {}
+    return {"model_fn": finetune.model_fn(cfg, lora, run_cfg.seed, execution),
+            "trainable": finetune.trainable(lora)}
 
 
 def _memory(compiled: Any, kind: str) -> dict[str, Any]:
@@ -214,3 +231,95 @@ def compile_generate(cfg, mesh, *, batch: int, prompt_len: int, new_tokens: int,
     with compiling_for(mesh.devices.flat[0].platform):
         lowered = generate_jit.lower(graphdef, state, *args, plan=plan)
     return lowered.compile()
+
+
+def compile_rl(run_cfg: ml_collections.ConfigDict, devices: list[Any], *,
+               mesh: dict[str, int] | None = None, batch: int = 8,
+               seq_len: int = 2048) -> dict[str, Any]:
+    """The two programs of an RL step, compiled for `devices` on one mesh: the policy update
+    (`rl_step.rl_objective` in the train step, over `batch` completions of `seq_len` positions
+    with the rollout's routing replayed; LoRA over the frozen base when `lora.rank > 0`) and the
+    engine's sampling decode step that makes the rollouts (`batch` slots of `seq_len`
+    positions, recording log-probs and routing). Both read one copy of the weights, so the
+    chip holds their sum less the weights counted twice (`together_bytes`)."""
+    cfg, execution = model_config(run_cfg), execution_config(run_cfg)
+    if mesh is None:
+        mesh = {a: run_cfg.mesh[a] for a in MESH_AXES}
+    m = make_mesh(mesh, devices)
+    kind = devices[0].device_kind
+    step = _compile_rl_step(run_cfg, cfg, execution, m, batch, seq_len)
+    decode = _compile_engine_decode(run_cfg, cfg, execution, m, batch, seq_len)
+    together = step["bytes"]["total"] + decode["bytes"]["total"] - decode["weights_bytes"]
+    hbm = HBM_BYTES.get(kind)
+    lora = run_cfg.get("lora")
+    return {"name": run_cfg.get("name", ""), "device_kind": kind, "devices": len(devices),
+            "program": "rl", "config": cfg.to_dict(), "mesh": dict(m.shape), "batch": batch,
+            "seq_len": seq_len,
+            "lora_rank": lora.rank if lora is not None else 0,
+            "expert_format": cfg.expert_format, "moe_dispatch": execution.moe_dispatch,
+            "remat": execution.remat, "step": step, "decode": decode,
+            "together_bytes": together, "hbm_bytes": hbm,
+            "fits": None if hbm is None else together <= hbm,
+            "fits_with_10_percent_spare": None if hbm is None else together <= 0.9 * hbm}
+
+
+def _compile_rl_step(run_cfg: ml_collections.ConfigDict, cfg: Any, execution: ExecutionConfig,
+                     mesh: Any, batch: int, seq_len: int) -> dict[str, Any]:
+    """The RL update (DAPO defaults, sampler log-probs and replay in the batch), compiled."""
+    tc = ml_collections.ConfigDict(run_cfg.train.to_dict())
+    tc.batch_size = batch
+    t0 = time.perf_counter()
+    steps = compile_steps(cfg, tc, mesh, run_cfg.seed, execution=execution,
+                          objective=rl_objective(PolicyLossConfig()),
+                          **_lora_kwargs(run_cfg, cfg, execution))
+    shapes = rl_batch_shapes(batch, seq_len, cfg.num_hidden_layers, cfg.experts_per_token)
+    abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=steps.batch_sharding)
+                      for k, s in shapes.items()}
+    platform = getattr(mesh.devices.flat[0], "platform", "tpu")
+    with compiling_for(platform):
+        lowered = steps.train.lower(steps.abstract_state, abstract_batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    return {"lower_seconds": t1 - t0, "compile_seconds": t2 - t1,
+            **_memory(compiled, mesh.devices.flat[0].device_kind)}
+
+
+def _compile_engine_decode(run_cfg: ml_collections.ConfigDict, cfg: Any,
+                           execution: ExecutionConfig, mesh: Any, slots: int,
+                           max_len: int) -> dict[str, Any]:
+    """`Engine`'s decode step (inference/engine.py `decode_jit`, sampled, recording) over
+    `slots` rows of a `max_len` cache, the weights sharded by the rules, compiled."""
+    lora = run_cfg.get("lora")
+    model = (nnx.eval_shape(lambda: finetune.model_fn(cfg, lora, run_cfg.seed, execution)(
+        rngs=nnx.Rngs(params=0))) if lora is not None else abstract_model(cfg, execution=execution))
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         state, state_shardings(state, mesh))
+    platform = getattr(mesh.devices.flat[0], "platform", "tpu")
+    rep = NamedSharding(mesh, PartitionSpec())
+    t0 = time.perf_counter()
+    with compiling_for(platform):
+        layers = None
+        if slice_layers_once(model):  # what the Engine does on this platform
+            layers = jax.eval_shape(lambda s: nnx.merge(graphdef, s).layer_states(), state)
+            layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                 sharding=rep), layers)
+        weights, treedef = jax.tree.flatten((state, layers))
+        cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
+        cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             cache, cache_shardings(mesh, cfg))
+        i32, f32 = (jax.ShapeDtypeStruct((slots,), t, sharding=rep)
+                    for t in (jnp.int32, jnp.float32))
+        # Traced under the mesh, as `generate_program` is: the MoE's and attention's Pallas
+        # kernels run in a shard_map over it (without one a sharded program does not compile).
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            lowered = decode_jit.lower(graphdef, treedef, weights, cache, i32, i32, i32, i32,
+                                       f32, i32, f32, mode=1, record=True)
+        compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    weights_bytes = sum(math.prod(w.sharding.shard_shape(w.shape)) * w.dtype.itemsize
+                        for w in jax.tree.leaves(state))
+    return {"compile_seconds": seconds, "slots": slots, "max_len": max_len,
+            "weights_bytes": weights_bytes,
+            **_memory(compiled, mesh.devices.flat[0].device_kind)}

@@ -54,6 +54,13 @@ EXPECTED = {
     and all(r["llm_jax"][f"decode_b{b}"]["tokens_per_s"] > 0 for b in (1, 4))
     and all(r["llm_jax"][p]["peak_rss_bytes"] >= 0 for p in ("load", "prefill", "qlora"))
     and r["llm_jax"]["load"]["param_bytes"] == r["param_bytes_predicted"],
+    # Replayed, the trainer's experts are the rollout's own, wherever the gap came from.
+    "rl": lambda r: r["replay"]["with_replay"]["topk_mismatch"] == 0
+    and all(np.isfinite(r["replay"][c]["logp_gap"]) for c in ("with_replay", "without_replay"))
+    and r["replay"]["completion_tokens"] == r["prompts"] * r["group"] * r["new_tokens"]
+    and r["speed"]["rollout"]["tokens_per_s"] > 0 and r["speed"]["engine"]["tokens_per_s"] > 0
+    and len(r["rl_steps"]["steps"]) == 2 and r["rl_steps"]["handover_s"] > 0
+    and 0 < r["rl_steps"]["handover_share"] < 1,
 }
 # malloc: the two contenders the checks name (each is a process); the preloaded ones' environment
 # is checked below without one, and a preload's effect in a child in tests/runtime/test_malloc.py.

@@ -10,7 +10,9 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
+from flax import nnx
 from helpers import NEEDS_LIBTPU
 
 from llm_jax.training import aot
@@ -92,6 +94,53 @@ def test_train_step_compiles_for_eight_cpu_devices(tmp_path):
     assert r["devices"] == 8 and r["mesh"]["expert"] == 2 and r["fits"] is None
     assert r["bytes"]["arguments"] > 0 and r["compile_seconds"] > 0
     assert hlo.read_text().startswith("HloModule")  # --hlo_out: the compiled program's text
+
+
+def test_rl_program_compiles_the_update_and_the_engine_decode_step_around_one_weight_copy():
+    out = cli("--program", "rl", "--config.lora.rank=4", "--config.model.sliding_window=0",
+              "--batch=4", xla_flags="--xla_backend_optimization_level=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout[out.stdout.index("{"):])
+    step, decode = r["step"], r["decode"]
+    assert (r["program"], r["batch"], r["seq_len"], r["lora_rank"]) == ("rl", 4, 32, 4)
+    # The decode step reads the weights (base + adapters), the cache of 4 slots x 32 positions
+    # and five int32 / float32 vectors a slot (tokens, positions, seeds, steps, temperatures;
+    # sampling without top-k / top-p filtering does not read those two, and jit drops them).
+    from llm_jax.config import ModelConfig
+    from llm_jax.model import init_model
+    from llm_jax.model.costs import kv_cache_bytes
+    from llm_jax.model.lora import add_lora
+
+    cfg = ModelConfig.from_dict(r["config"])
+    model = add_lora(init_model(cfg), rank=4, alpha=16.0, targets=(
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"), seed=0)
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    assert decode["weights_bytes"] == weights
+    assert decode["bytes"]["arguments"] == weights + kv_cache_bytes(cfg, 32, batch=4) + 5 * 4 * 4
+    # The update's arguments: the same weights, Adam's moments of the adapters and the batch.
+    assert step["bytes"]["arguments"] > weights
+    assert r["together_bytes"] == step["bytes"]["total"] + decode["bytes"]["total"] - weights
+
+
+@NEEDS_LIBTPU
+def test_rl_program_compiles_for_a_tpu_topology_with_the_weights_sharded():
+    out = cli("--topology", "v5e-4", "--mesh", "fsdp=2,expert=2", "--program", "rl",
+              "--config.lora.rank=4", "--config.execution.moe_dispatch=auto", "--batch=8",
+              model=DESCRIBE_SMALL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout[out.stdout.index("{"):])
+    assert r["device_kind"] == "TPU v5 lite" and r["devices"] == 4
+    assert r["fits"] is True and r["fits_with_10_percent_spare"] is True
+    from llm_jax.config import ModelConfig
+    from llm_jax.model import init_model
+
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(init_model(
+        ModelConfig.from_dict(r["config"])))))
+    # Both programs read the weights split over the four chips (experts over `expert`, the
+    # rest over `fsdp`), not a replica each: a chip's share is between a quarter and a half
+    # (the replicated norms, biases and adapters are a few percent).
+    assert weights / 4 < r["decode"]["weights_bytes"] < 0.6 * weights, (r["decode"], weights)
+    assert r["step"]["bytes"]["arguments"] > r["decode"]["weights_bytes"]
 
 
 def test_bad_mesh_for_the_topology_names_both_numbers():
