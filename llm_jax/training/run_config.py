@@ -17,6 +17,7 @@ import ml_collections
 from llm_jax.config import ModelConfig
 from llm_jax.data.config import ON_BAD_FILE, ON_BAD_LINE
 from llm_jax.data.sft import DEFAULT_LOSS_CHANNELS, loss_channels
+from llm_jax.data.tasks import TaskConfig
 from llm_jax.execution import ExecutionConfig
 from llm_jax.training.policy_loss import AGGREGATIONS, RATIOS, PolicyLossConfig
 
@@ -37,6 +38,7 @@ def default_run_config(name: str, model: ModelConfig,
     cfg.mesh = _mesh()
     cfg.distributed = _distributed()
     cfg.checkpoint = _checkpoint()
+    cfg.task = _task()
     return cfg
 
 
@@ -116,6 +118,13 @@ def _sft() -> ml_collections.ConfigDict:
     # answers are trained after reasoning the model never learns to write (docs/finetuning.md).
     c.loss_channels = DEFAULT_LOSS_CHANNELS
     return c
+
+
+def _task() -> ml_collections.ConfigDict:
+    # A verifiable task (llm_jax/data/tasks.py; each field is described on TaskConfig): the
+    # prompts and reference answers RL is rewarded on; with no sft.files / sft.tfds_name, SFT
+    # trains on its reference replies (the warm-up before RL). name "" = none.
+    return ml_collections.ConfigDict(TaskConfig().to_dict())
 
 
 def _lora() -> ml_collections.ConfigDict:
@@ -273,6 +282,7 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
             raise ValueError(f"config field {section}.{key}={cfg[section][key]!r} is invalid: "
                              f"expected one of {list(allowed)}")
     loss_channels(cfg.sft.get("loss_channels", DEFAULT_LOSS_CHANNELS))
+    TaskConfig.from_section(cfg.task)
     tc = cfg.train
     if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
         raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "
