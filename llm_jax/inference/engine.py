@@ -28,6 +28,7 @@ n = max_prefill. The requests themselves (settings, queue errors, a sequence's s
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -107,6 +108,13 @@ def _decode(graphdef, treedef, weights, cache, tokens_B, positions_B, seeds_B, s
                            else None)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_states(graphdef, state):
+    """The model's per-layer weight slices, compiled once per model structure (a jit made per
+    call would trace and compile again at every `set_weights`: a second a step on CPU)."""
+    return nnx.merge(graphdef, state).layer_states()
+
+
 prefill_jit = InferenceJit(_prefill_into, static_argnames=("graphdef", "mode", "max_len",
                                                            "cache_dtype", "record"),
                            donate_argnames=("cache",))
@@ -124,8 +132,8 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         self.cache_dtype = str(jnp.dtype(cfg.cache_dtype or model.cfg.dtype))
         self.cache = init_cache(model.cfg, cfg.slots, cfg.max_len, self.cache_dtype)
-        self.layers = (jax.jit(lambda s: nnx.merge(self.graphdef, s).layer_states())(self.state)
-                       if slice_layers_once(model) else None)
+        self.layers = (_layer_states(self.graphdef, self.state) if slice_layers_once(model)
+                       else None)
         self.weights, self.treedef = jax.tree.flatten((self.state, self.layers))
         b = cfg.slots
         self.tokens_B, self.positions_B = np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -150,8 +158,7 @@ class Engine:
         if graphdef != self.graphdef:
             raise ValueError("set_weights: the model's structure differs from the engine's "
                              "(another config or adapters): build a new Engine")
-        layers = (jax.jit(lambda s: nnx.merge(graphdef, s).layer_states())(state)
-                  if self.layers is not None else None)
+        layers = _layer_states(graphdef, state) if self.layers is not None else None
         with self.lock:
             self.model, self.state, self.layers = model, state, layers
             self.weights, self.treedef = jax.tree.flatten((state, layers))

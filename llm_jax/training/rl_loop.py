@@ -357,8 +357,8 @@ def _loop(run: RLRun, stop: StopRequest) -> dict[str, Any]:
                 break
             record = rl_step(run, step)
             done = p.step = step + 1
-            if cfg.rl.eval_every_steps and done % cfg.rl.eval_every_steps == 0 \
-                    or done == num_steps:
+            if run.eval_prompts and (done == num_steps or cfg.rl.eval_every_steps
+                                     and done % cfg.rl.eval_every_steps == 0):
                 record |= evaluate(run)
             if done % cfg.train.log_every_steps == 0 or done == num_steps or \
                     done == run.start + 1 or "eval_pass_rate" in record:
@@ -464,12 +464,14 @@ def make_batch(run: RLRun, groups: list[list[Completion]], rewards_PG: np.ndarra
 
 
 def update(run: RLRun, step: int, batch: dict[str, jax.Array]) -> dict[str, float]:
-    """rl.updates_per_rollout optimizer steps on `batch`; their metrics averaged (lr: the
-    last). A non-finite update stops the run (or is skipped and counted)."""
+    """rl.updates_per_rollout optimizer steps on `batch`; their metrics averaged, but lr (the
+    last) and sampler_logp_gap (the first: later ones add the updates' own change of the
+    policy to the trainer/sampler mismatch). A non-finite update stops the run (or is skipped
+    and counted)."""
     p, tc = run.progress, run.cfg.train
     totals: dict[str, float] = {}
     n = run.cfg.rl.updates_per_rollout
-    for _ in range(n):
+    for i in range(n):
         p.state, metrics = run.steps.train(p.state, batch)
         m = jax.device_get(metrics)
         if not bool(m.pop("finite")):
@@ -488,6 +490,10 @@ def update(run: RLRun, step: int, batch: dict[str, jax.Array]) -> dict[str, floa
             if np.ndim(v) == 0:
                 totals[k] = totals.get(k, 0.0) + float(v) / n
         totals["lr"] = float(m["lr"])
+        if i == 0 and "sampler_logp_gap" in m:
+            gap = float(m["sampler_logp_gap"])
+    if "sampler_logp_gap" in totals:
+        totals["sampler_logp_gap"] = gap
     return totals
 
 
