@@ -16,11 +16,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import SMALL_MODEL, read_records, saved_params
+from helpers import SMALL_MODEL, read_records
 
 from llm_jax.data.tasks import make_task, write_task_tokenizer
 from llm_jax.model import Transformer
+from llm_jax.model.lora import LoRAParam
 from llm_jax.training import rewards
+from llm_jax.training.finetune import restore_finetuned
 from llm_jax.training.loop import train
 from llm_jax.training.preemption import Interrupted
 from llm_jax.training.run_config import default_run_config
@@ -60,12 +62,15 @@ def tokenizer_dir(tmp_path_factory):
     return str(d)
 
 
-def rl_config(tokenizer: str, **rl):
+def rl_config(tokenizer: str, lora: bool = True, **rl):
+    """LoRA adapters on q and v, with a KL term to the base (the adapters zeroed)."""
     cfg = default_run_config("rl", SMALL_MODEL)
+    if lora:
+        cfg.lora.update(rank=4, targets="q_proj,v_proj")
     cfg.task.update(name="arithmetic", eval_size=4, max_operand=9)
     cfg.rl.update({**dict(rewards="even:1,format:0.5", tokenizer=tokenizer, group_size=4,
                           prompts_per_step=2, max_prompt_tokens=80, max_new_tokens=8,
-                          eval_examples=2, eval_every_steps=2, updates_per_rollout=2), **rl})
+                          eval_examples=2, eval_every_steps=2, updates_per_rollout=2, beta=0.1), **rl})
     cfg.train.update(num_steps=NUM_STEPS, log_every_steps=1, warmup_steps=1, learning_rate=1e-2)
     cfg.checkpoint.update(every_steps=1, async_save=False, max_to_keep=10)
     return cfg
@@ -82,7 +87,7 @@ def uninterrupted(tmp_path_factory, tokenizer_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(rewards.REWARDS, "even", StandIn())
         train(rl_config(tokenizer_dir), str(d))
-    return d, read_records(d), saved_params(d)
+    return d, read_records(d), final_params(d)
 
 
 def test_an_rl_run_logs_rewards_and_updates_its_params(uninterrupted, tokenizer_dir):
@@ -101,11 +106,26 @@ def test_an_rl_run_logs_rewards_and_updates_its_params(uninterrupted, tokenizer_
     # the second one's ratios move, and the trainer matches the sampler closely (float32).
     assert last["sampler_logp_gap"] < 1e-4
     assert (d / "rewards.png").stat().st_size > 0
-    assert max(np.abs(a - b).max() for a, b in zip(params, initial_params())) > 1e-3
+    # The adapters moved, the policy with them away from the reference; the base is frozen.
+    assert last["kl"] > 0
+    model, _ = restore_finetuned(str(d))
+    adapters, base = nnx.state(model, nnx.Param).split(LoRAParam, ...)
+    assert all(np.abs(np.asarray(b)).max() > 0 for path, b in adapters.flat_state()
+               if path[-1].endswith("lora_b"))  # LoRA's B starts at 0
+    for a, b in zip(jax.tree.leaves(base), initial_params()):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-6)
+
+
+def final_params(workdir) -> list[np.ndarray]:
+    """The params (adapters included) of the workdir's newest checkpoint."""
+    model, _ = restore_finetuned(str(workdir))
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
 def initial_params() -> list[np.ndarray]:
-    """The params a run from scratch starts from (the seed's initialisation)."""
+    """The params a run from scratch starts from (the seed's initialisation); computed outside
+    jit, they round differently from the run's (1 ulp), where an update moves weights by about
+    the learning rate (1e-2)."""
     model = Transformer(SMALL_MODEL, rngs=nnx.Rngs(params=0))
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
@@ -121,7 +141,7 @@ def test_a_run_stopped_and_resumed_ends_as_the_uninterrupted_one(uninterrupted, 
     even.stop_after = None
     train(rl_config(tokenizer_dir), str(tmp_path))
     assert computed(read_records(tmp_path)) == computed(records)
-    for a, b in zip(saved_params(tmp_path), params):
+    for a, b in zip(final_params(tmp_path), params):
         np.testing.assert_array_equal(a, b)
 
 
@@ -149,7 +169,7 @@ def test_a_failing_reward_stops_the_run_by_name_and_keeps_the_checkpoints(
                                                   "'arithmetic:train:6'"):
         train(cfg, str(work))
     assert sorted(os.listdir(work / "checkpoints")) == before
-    for a, b in zip(saved_params(work), params):
+    for a, b in zip(final_params(work), params):
         np.testing.assert_array_equal(a, b)
 
 
@@ -171,13 +191,12 @@ def test_bad_settings_are_refused_by_name(tokenizer_dir, tmp_path, even):
 def test_all_equal_groups_are_counted_and_dynamic_sampling_skips_their_update(
         tokenizer_dir, tmp_path):
     # A random model never closes a final message: "format" is 0 for every completion.
-    cfg = rl_config(tokenizer_dir, rewards="format:1", dynamic_sampling=True, eval_examples=0)
+    cfg = rl_config(tokenizer_dir, lora=False, rewards="format:1", dynamic_sampling=True,
+                    eval_examples=0)
     cfg.train.num_steps = 1
     train(cfg, str(tmp_path))
     (record,) = read_records(tmp_path)
     assert record["uninformative_groups"] == 2 and record["informative_groups"] == 0
     assert record["skipped_updates"] == 1 and "loss" not in record
-    # The initialisation computed outside jit rounds differently (1 ulp); an update would move
-    # weights by about the learning rate (1e-2).
-    for a, b in zip(saved_params(tmp_path), initial_params()):
+    for a, b in zip(final_params(tmp_path), initial_params()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
