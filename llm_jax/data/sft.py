@@ -2,7 +2,8 @@
 only, packed into fixed rows whose examples never attend to each other.
 
 Sources: JSONL files of `{"messages": [{"role", "content"}, ...]}` or `{"prompt", "completion"}`
-lines, or a TFDS dataset by name with such a feature. A `messages` line may also carry `tools`
+lines, a TFDS dataset by name with such a feature, or a verifiable task's reference replies
+(`llm_jax.data.tasks`: the warm-up before RL). A `messages` line may also carry `tools`
 (OpenAI function tools) and `reasoning_effort`, passed to the renderer; its assistant messages
 may carry reasoning (`reasoning_content`, `reasoning` or `thinking`) and `tool_calls` (content
 then may be null), answered by `tool` messages.
@@ -46,7 +47,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from llm_jax.data import harmony
+from llm_jax.data import harmony, tasks
 from llm_jax.data.hf_tokenizer import HFTokenizer, Message
 from llm_jax.data.local_text import path_hash_fraction, split_shares
 from llm_jax.data.resume import TaggedIterator, check_saved_state
@@ -310,6 +311,21 @@ def split_conversations(convs: Sequence[Conversation | list[Message]],
             [m for i, m in enumerate(convs) if i in held])
 
 
+def task_conversations(section: Any) -> tuple[list[Conversation], list[Conversation],
+                                               dict[str, Any]]:
+    """(train, held-out, {"task": identity}) conversations of the task `section` names: its
+    first `sft_examples` train examples and its whole eval split, each with its reference reply."""
+    task = tasks.make_task(section)
+    count = tasks.TaskConfig.from_section(section).sft_examples
+
+    def convs(split: str, n: int) -> list[Conversation]:
+        return [to_conversation(tasks.conversation(task, ex))
+                for ex in tasks.sft_examples(task, split, n)]
+
+    return (convs("train", count), convs("eval", task.size("eval") or 0),
+            {"task": task.identity()})
+
+
 def _tokenized(tok: HFTokenizer, conv: Conversation, channels: frozenset[str]
                ) -> tuple[np.ndarray, np.ndarray]:
     """`tokenize_conversation`, a refusal naming the conversation it refused."""
@@ -370,11 +386,13 @@ class SFTData:
 
 def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: int,
                   seed: int, process_index: int | None = None,
-                  process_count: int | None = None) -> SFTData:
+                  process_count: int | None = None, task: Any = None) -> SFTData:
     """Reads the SFT set, holds out `sft.validation_fraction` of it, renders, masks and packs
     this process's share of each split, then serves shuffled batches of `batch_size` /
     process_count rows through Grain, so the iterator checkpoints with the run. `batch_size` is
-    the global batch (train.batch_size)."""
+    the global batch (train.batch_size). With no `sft.files` or `sft.tfds_name`, the set is
+    the reference replies of `task` (the run config's `task` section, llm_jax.data.tasks):
+    its first `task.sft_examples` train examples, and its eval split held out."""
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     if batch_size % process_count:
@@ -384,12 +402,17 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
     channels = loss_channels(sft.get("loss_channels", DEFAULT_LOSS_CHANNELS))
     tok = HFTokenizer(tokenizer_path)
     bad = BadLines()
-    if sft.tfds_name:
-        convs, name = read_tfds(sft.tfds_name, sft.tfds_split, sft.data_dir), sft.tfds_name
-    else:
-        convs, name = read_jsonl(sft.files, sft.on_bad_line, bad), sft.files
     fraction = float(sft.get("validation_fraction", 0.0))
-    train, held = split_conversations(list(convs), fraction)
+    task_identity: dict[str, Any] = {}
+    if not (sft.files or sft.tfds_name) and task is not None:
+        train, held, task_identity = task_conversations(task)
+        name, fraction = f"task:{task_identity['task']['name']}", 0.0
+    else:
+        if sft.tfds_name:
+            convs, name = read_tfds(sft.tfds_name, sft.tfds_split, sft.data_dir), sft.tfds_name
+        else:
+            convs, name = read_jsonl(sft.files, sft.on_bad_line, bad), sft.files
+        train, held = split_conversations(list(convs), fraction)
     if bad.count:
         logging.warning("skipped %d malformed SFT line(s), e.g. %s", bad.count, bad.first)
 
@@ -417,6 +440,6 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
     identity = {"dataset": f"sft:{name}", "rows": len(rows["inputs"]), "seq_len": seq_len,
                 "batch_size": batch_size, "shuffle_seed": seed,
                 "validation_fraction": fraction,
-                "process_index": process_index, "process_count": process_count}
+                "process_index": process_index, "process_count": process_count, **task_identity}
     return SFTData(TaggedIterator(iter(ds), identity), tok, name, rows, eval_rows, bad,
                    local_batch, process_count)

@@ -255,9 +255,11 @@ class GeneratedTask:
         return [int(v) for v in rng.integers(c.min_operand, c.max_operand + 1, n)]
 
 
-def arithmetic_steps(terms: Sequence[int], operators: Sequence[str]) -> list[tuple[int, str, int,
-                                                                                   int]]:
-    """(left, operator, right, result) of each step of evaluating the terms left to right."""
+Step = tuple[int, str, int, int]  # (left, operator, right, result)
+
+
+def arithmetic_steps(terms: Sequence[int], operators: Sequence[str]) -> list[Step]:
+    """Each step of evaluating the terms left to right."""
     steps, value = [], terms[0]
     for op, t in zip(operators, terms[1:]):
         result = value + t if op == "+" else value - t

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from llm_jax.config import ModelConfig
 from llm_jax.data import make_datasets
 from llm_jax.data.sft import make_sft_data
+from llm_jax.data.tasks import make_task, write_task_tokenizer
 from llm_jax.execution import ExecutionConfig
 from llm_jax.inference import sample
 from llm_jax.model import abstract_model, costs
@@ -206,10 +207,17 @@ def _open_data(cfg: ml_collections.ConfigDict, workdir: str, mcfg: ModelConfig) 
     tc, is_main = cfg.train, jax.process_index() == 0
     if not is_main:
         distributed.barrier("data")
-    sft = bool(cfg.sft.files or cfg.sft.tfds_name)
+    from_task = bool(cfg.task.name and not (cfg.sft.files or cfg.sft.tfds_name))
+    sft = bool(cfg.sft.files or cfg.sft.tfds_name) or from_task
     if sft:
-        data = make_sft_data(cfg.sft, tokenizer_path=cfg.sft.tokenizer or tc.init_from,
-                             seq_len=cfg.data.seq_len, batch_size=tc.batch_size, seed=cfg.seed)
+        tokenizer = cfg.sft.tokenizer or tc.init_from
+        if from_task and not tokenizer:  # a model trained from scratch on the task
+            tokenizer = workdir
+            if is_main:
+                write_task_tokenizer(make_task(cfg.task), workdir, mcfg.vocab_size)
+        data = make_sft_data(cfg.sft, tokenizer_path=tokenizer, seq_len=cfg.data.seq_len,
+                             batch_size=tc.batch_size, seed=cfg.seed,
+                             task=cfg.task if from_task else None)
     else:
         data = make_datasets(cfg.data, workdir=workdir, vocab_size=mcfg.vocab_size,
                              global_batch_size=tc.batch_size)

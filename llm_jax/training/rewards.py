@@ -88,6 +88,14 @@ def _math_verify() -> Any:
     return math_verify
 
 
+def _delimited(text: str) -> str:
+    """LaTeX written without math delimiters, in $...$: Math-Verify reads bare "2\\sqrt{2}" as 2
+    (its plain-expression reader stops at the backslash)."""
+    if "\\" in text and not any(d in text for d in ("$", "\\(", "\\[")):
+        return f"${text}$"
+    return text
+
+
 def math_equal(example: Example, reply: Reply) -> float:
     """Math-Verify's `verify(parse(reference), parse(answer))`. Its timeouts use SIGALRM,
     which only the main thread may set: off in other threads."""
@@ -95,8 +103,8 @@ def math_equal(example: Example, reply: Reply) -> float:
         return 0.0
     mv = _math_verify()
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = mv.parse(example.answer, parsing_timeout=timeout)
-    answer = mv.parse(reply.answer, parsing_timeout=timeout)
+    gold = mv.parse(_delimited(example.answer), parsing_timeout=timeout)
+    answer = mv.parse(_delimited(reply.answer), parsing_timeout=timeout)
     return float(bool(gold and answer and mv.verify(gold, answer, timeout_seconds=timeout)))
 
 

@@ -198,3 +198,33 @@ def test_a_conversation_the_renderer_refuses_is_named(harmony_tokenizer, tmp_pat
                                          r"tools\[0\].function.name"):
         make_sft_data(sft, tokenizer_path=str(harmony_tokenizer), seq_len=512, batch_size=1,
                       seed=0)
+
+
+def test_a_task_gives_sft_its_reference_replies_and_holds_out_its_eval_split(tmp_path):
+    from llm_jax.data.tasks import make_task, write_task_tokenizer
+
+    cfg = default_run_config("t", ModelConfig())
+    cfg.task.name, cfg.task.show_work, cfg.task.max_terms = "arithmetic", True, 3
+    cfg.task.sft_examples, cfg.task.eval_size = 40, 8
+    task = make_task(cfg.task)
+    write_task_tokenizer(task, tmp_path, vocab_size=512)
+    data = make_sft_data(cfg.sft, tokenizer_path=str(tmp_path), seq_len=256, batch_size=2,
+                         seed=0, task=cfg.task)
+    tok = data.tokenizer
+
+    def learned(rows):  # each example's assistant tokens, in row order
+        out = []
+        for r in range(len(rows["inputs"])):
+            for seg in range(1, rows["segment_ids"][r].max() + 1):
+                keep = (rows["segment_ids"][r] == seg) & (rows["loss_mask"][r] == 1)
+                out.append(tok.decode(rows["targets"][r][keep]))
+        return out
+
+    def reply(ex):
+        return (f"<|channel|>analysis<|message|>{task.reasoning(ex)}<|end|><|start|>assistant"
+                f"<|channel|>final<|message|>{ex.answer}<|return|>")
+
+    assert learned(data.rows) == [reply(task.example("train", i)) for i in range(40)]
+    assert learned(data.eval_rows) == [reply(task.example("eval", i)) for i in range(8)]
+    assert data.train_iter.identity["task"] == task.identity()
+    assert data.name == "task:arithmetic"
