@@ -142,6 +142,9 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> RL
     """The task, rewards, tokenizer, compiled step, engine and the restored (or new) state,
     each refused by name before the expensive parts."""
     rc = cfg.rl
+    if jax.process_count() > 1:
+        raise ValueError(f"RL runs in one process (its rollouts are driven by this process's "
+                         f"engine); this run has {jax.process_count()}: use one host's devices")
     mesh = mesh_from_config(cfg.mesh)
     ckpt = Checkpointer(workdir, max_to_keep=cfg.checkpoint.max_to_keep,
                         async_save=cfg.checkpoint.async_save, cleanup_tmp=True,

@@ -7,6 +7,7 @@ same inputs: XLA:CPU is deterministic); a changed task or rewards on resume, a f
 a prompt too long and a dropping MoE dispatch are refused by name, nothing saved lost; groups
 whose rewards are all equal are counted, and under dynamic sampling skip the update."""
 
+import importlib.util
 import math
 import os
 import shutil
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import SMALL_MODEL, read_records
+from helpers import ROOT, SMALL_MODEL, read_records
 
 from llm_jax.data.tasks import make_task, write_task_tokenizer
 from llm_jax.model import Transformer
@@ -25,7 +26,7 @@ from llm_jax.training import rewards
 from llm_jax.training.finetune import restore_finetuned
 from llm_jax.training.loop import train
 from llm_jax.training.preemption import Interrupted
-from llm_jax.training.run_config import default_run_config
+from llm_jax.training.run_config import default_run_config, rl_enabled, validate_run_config
 
 NUM_STEPS = 3
 # Metrics that time the run rather than compute it: they differ between any two runs.
@@ -200,3 +201,19 @@ def test_all_equal_groups_are_counted_and_dynamic_sampling_skips_their_update(
     assert record["skipped_updates"] == 1 and "loss" not in record
     for a, b in zip(final_params(tmp_path), initial_params()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def load_config(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_the_readme_rl_configs_validate_and_share_their_task():
+    sft, grpo = load_config("sft_task_tiny"), load_config("grpo_tiny")
+    for cfg in (sft, grpo):
+        validate_run_config(cfg)
+    assert not rl_enabled(sft) and rl_enabled(grpo)
+    assert make_task(sft.task).identity() == make_task(grpo.task).identity()
+    assert grpo.train.init_from == f"runs/{sft.name}"  # the SFT run's default workdir
