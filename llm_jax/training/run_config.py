@@ -294,6 +294,12 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
     execution_config(cfg)
     if cfg.rl.rewards:
         rl_loss_config(cfg.rl)
+        rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+        if rows % tc.grad_accum_steps:
+            raise ValueError(f"rl.prompts_per_step={cfg.rl.prompts_per_step} x rl.group_size="
+                             f"{cfg.rl.group_size} = {rows} rows and train.grad_accum_steps="
+                             f"{tc.grad_accum_steps} conflict: the RL batch must split into "
+                             "equal microbatches")
 
 
 def rl_enabled(cfg: ml_collections.ConfigDict) -> bool:

@@ -187,6 +187,10 @@ def test_bad_settings_are_refused_by_name(tokenizer_dir, tmp_path, even):
         train(rl_config(tokenizer_dir, epsilon_low=1.0), str(tmp_path / "c"))
     with pytest.raises(ValueError, match="rl.group_size=1 is invalid"):
         train(rl_config(tokenizer_dir, group_size=1), str(tmp_path / "d"))
+    cfg = rl_config(tokenizer_dir)
+    cfg.train.grad_accum_steps = 3
+    with pytest.raises(ValueError, match="= 8 rows and train.grad_accum_steps=3 conflict"):
+        train(cfg, str(tmp_path / "e"))
 
 
 def test_all_equal_groups_are_counted_and_dynamic_sampling_skips_their_update(
