@@ -132,8 +132,7 @@ class RLProgress:
     skipped: int  # updates skipped: non-finite, or no informative group under dynamic sampling
     step: int = 0  # RL steps done
     last_saved: int = 0
-    synced_at: float | None = None  # when the engine got the last update's weights
-    sync_seconds: float = 0.0
+    sync_seconds: float | None = None  # the last hand-over of weights to the engine
     last: dict[str, Any] = dataclasses.field(default_factory=dict)
     samples: list[str] = dataclasses.field(default_factory=list)
 
@@ -395,7 +394,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     rewards_PG, per_reward = score_groups(run, examples, groups)
     p.prompt_index += rc.prompts_per_step
     record = rollout_metrics(run, groups, rewards_PG, per_reward, rollout_time)
-    if p.synced_at is not None:  # the weights' hand-over, then the wait for a first token
+    if p.sync_seconds is not None:  # the weights' hand-over, then the wait for a first token
         first = min(c.first_token_at for g in groups for c in g)
         record["update_to_first_token"] = p.sync_seconds + first - t_rollout
     informative = np.asarray(informative_groups(jnp.asarray(rewards_PG)))
@@ -408,7 +407,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     record |= update(run, step, batch)
     t_sync = time.monotonic()
     run.engine.set_weights(nnx.merge(run.graphdef, p.state.params))
-    p.sync_seconds, p.synced_at = time.monotonic() - t_sync, time.monotonic()
+    p.sync_seconds = time.monotonic() - t_sync
     step_time = time.monotonic() - t0
     return record | {"step_time": step_time, "rollout_share": rollout_time / step_time,
                      "skipped_updates": float(p.skipped)}

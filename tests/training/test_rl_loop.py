@@ -1,11 +1,12 @@
-"""The RL loop (training/rl_loop.py) through `loop.train`: a tiny model from scratch on the
-arithmetic task, rewarded by a stand-in reward that varies between completions (a random model
-never answers, so the task's own rewards would give every group the same zero). Checked: the
-run logs its metrics and plots its rewards; a run stopped by SIGTERM and resumed ends with the
-same metrics and bitwise the same params as an uninterrupted one (the same programs on the
-same inputs: XLA:CPU is deterministic); a changed task or rewards on resume, a failing reward,
-a prompt too long and a dropping MoE dispatch are refused by name, nothing saved lost; groups
-whose rewards are all equal are counted, and under dynamic sampling skip the update."""
+"""The RL loop (training/rl_loop.py) through `loop.train`: a tiny model from scratch with LoRA
+adapters and a KL term to its base, on the arithmetic task, rewarded by a stand-in reward that
+varies between completions (a random model never answers, so the task's own rewards would give
+every group the same zero). Checked: the run logs its metrics and plots its rewards, trains the
+adapters and leaves the base; a run stopped by SIGTERM and resumed ends with the same metrics and
+bitwise the same params as an uninterrupted one (the same programs on the same inputs: XLA:CPU
+is deterministic); a changed task or rewards on resume, a failing reward, a prompt too long and
+a dropping MoE dispatch are refused by name, nothing saved lost; groups whose rewards are all
+equal are counted, and under dynamic sampling (here with full fine-tuning) skip the update."""
 
 import importlib.util
 import math
@@ -71,7 +72,8 @@ def rl_config(tokenizer: str, lora: bool = True, **rl):
     cfg.task.update(name="arithmetic", eval_size=4, max_operand=9)
     cfg.rl.update({**dict(rewards="even:1,format:0.5", tokenizer=tokenizer, group_size=4,
                           prompts_per_step=2, max_prompt_tokens=80, max_new_tokens=8,
-                          eval_examples=2, eval_every_steps=2, updates_per_rollout=2, beta=0.1), **rl})
+                          eval_examples=2, eval_every_steps=2, updates_per_rollout=2,
+                          beta=0.1), **rl})
     cfg.train.update(num_steps=NUM_STEPS, log_every_steps=1, warmup_steps=1, learning_rate=1e-2)
     cfg.checkpoint.update(every_steps=1, async_save=False, max_to_keep=10)
     return cfg
