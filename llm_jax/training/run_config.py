@@ -287,7 +287,7 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
     if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
         raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "
                          "expected a finite number > 0")
-    if tc.batch_size % tc.grad_accum_steps:
+    if tc.batch_size % tc.grad_accum_steps and not cfg.rl.rewards:  # RL's: checked below
         raise ValueError(f"train.batch_size={tc.batch_size} and train.grad_accum_steps="
                          f"{tc.grad_accum_steps} conflict: the batch must split into equal "
                          "microbatches")
