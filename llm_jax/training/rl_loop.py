@@ -326,7 +326,7 @@ def _logprobs(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.G
 
 
 def _reference_logprobs(params: nnx.State, batch: dict[str, jax.Array], *, logp: Any,
-                        lora: bool, reference: Any = None) -> jax.Array:
+                        lora: bool) -> jax.Array:
     """log p under the reference policy: with LoRA the same params, adapters zeroed (their
     delta is then 0: the base exactly); else `params` are the frozen initial ones."""
     if lora:
@@ -401,7 +401,8 @@ def rl_step(run: RLRun, step: int) -> dict[str, Any]:
     if rc.dynamic_sampling and not informative.any():
         p.skipped += 1
         logging.info("RL step %d: every group's rewards are equal: no update (%d skipped so "
-                     "far)", step, p.skipped)
+                     "far)", step + 1, p.skipped)
+        p.sync_seconds = 0.0  # the engine's weights are still the current ones
         return record | {"skipped_updates": float(p.skipped), "step_time": time.monotonic() - t0}
     batch = make_batch(run, groups, rewards_PG, informative if rc.dynamic_sampling else None)
     record |= update(run, step, batch)
