@@ -353,6 +353,20 @@ class SFTData:
     bad_lines: BadLines
     batch_size: int  # per process
     process_count: int
+    # A few conversations up to their last assistant turn (held out when there are such): what
+    # the run samples replies to at its end.
+    sample_conversations: list[Conversation] = dataclasses.field(default_factory=list)
+
+    def sample_prompts(self, n: int) -> list[tuple[str, list[int]]]:
+        """(the last user message, the rendered prompt's ids) of up to `n` sample
+        conversations, each ending in the generation prompt."""
+        out = []
+        for conv in self.sample_conversations[:n]:
+            text = self.tokenizer.render(conv.messages, add_generation_prompt=True, **conv.options)
+            users = [m for m in conv.messages if m.get("role") == "user"]
+            out.append((str(users[-1].get("content", "")) if users else "",
+                        self.tokenizer.encode(text)))
+        return out
 
     def check_checkpoint(self, step_dir: str) -> None:
         """Raises ValueError if the data state saved in `step_dir` was not made by these rows
@@ -442,4 +456,17 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
                 "validation_fraction": fraction,
                 "process_index": process_index, "process_count": process_count, **task_identity}
     return SFTData(TaggedIterator(iter(ds), identity), tok, name, rows, eval_rows, bad,
-                   local_batch, process_count)
+                   local_batch, process_count, _prompts(held or train))
+
+
+def _prompts(convs: list[Conversation], n: int = 8) -> list[Conversation]:
+    """The first `n` conversations that have an assistant turn, cut before their last one."""
+    out = []
+    for conv in convs:
+        last = max((i for i, m in enumerate(conv.messages) if m.get("role") == "assistant"),
+                   default=0)
+        if last:
+            out.append(Conversation(conv.messages[:last], conv.options))
+        if len(out) == n:
+            break
+    return out

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from llm_jax.config import ModelConfig
 from llm_jax.data import make_datasets
+from llm_jax.data.preference import PreferenceData, make_preference_data
 from llm_jax.data.sft import make_sft_data
 from llm_jax.data.tasks import make_task, write_task_tokenizer
 from llm_jax.execution import ExecutionConfig
@@ -44,7 +45,7 @@ from llm_jax.parallel import distributed
 from llm_jax.parallel.sharding import mesh_from_config
 from llm_jax.runtime.malloc import active_malloc
 from llm_jax.runtime.peak import peak_flops
-from llm_jax.training import faults, finetune
+from llm_jax.training import faults, finetune, preference
 from llm_jax.training.metrics import MetricsWriter, read_metrics
 from llm_jax.training.plots import plot_expert_load, plot_losses
 from llm_jax.training.preemption import Interrupted, StopRequest
@@ -75,6 +76,8 @@ def evaluate(steps: Steps, params: Any, data: Any, num_batches: int) -> dict[str
             totals[k] = totals.get(k, 0.0) + float(v)
     if not totals:
         return {}
+    if "pairs" in totals:  # preference pairs: held-out accuracy and reward margin
+        return preference.summarise(totals)
     loss = totals["nll"] / totals["tokens"]
     result = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
     if totals.get("bytes"):
@@ -82,18 +85,27 @@ def evaluate(steps: Steps, params: Any, data: Any, num_batches: int) -> dict[str
     return result
 
 
-def sample_text(params: Any, cfg: ModelConfig, tokenizer: Any, *, seed: int,
+def sample_text(params: Any, cfg: ModelConfig, data: Any, *, seed: int,
                 num_samples: int = 3, max_new_tokens: int = 64,
                 model_fn: Any = None) -> list[str]:
-    """A few continuations of short code prompts, to see what the model learned."""
+    """A few samples, to see what the model learned: continuations of short code prompts
+    (pre-training data), or replies to held-out conversations (SFT data: `sample_prompts`)."""
     abstract = abstract_model(cfg) if model_fn is None else \
         nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0)))
     model = nnx.merge(nnx.graphdef(abstract), jax.device_get(params))
-    prompts = (["def ", "import ", "class ", "for ", "    return "] * num_samples)[:num_samples]
-    ids = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]  # documents start so
-    out = sample(model, ids, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
-                   seed=seed, eos_id=tokenizer.eos_id)
-    return [p + tokenizer.decode(list(o)) for p, o in zip(prompts, out)]
+    tokenizer = data.tokenizer
+    if hasattr(data, "sample_prompts"):
+        shown, ids = zip(*data.sample_prompts(num_samples)) if num_samples else ((), ())
+        shown = [f"{p}\n->" for p in shown]
+    else:
+        shown = (["def ", "import ", "class ", "for ", "    return "] * num_samples)[:num_samples]
+        ids = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in shown]  # documents start so
+    if not ids:
+        return []
+    tokens = getattr(tokenizer, "harmony", None)  # a harmony reply ends its turn with <|return|>
+    out = sample(model, list(ids), max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
+                 seed=seed, eos_id=tokenizer.eos_id if tokens is None else tokens.return_)
+    return [p + tokenizer.decode(list(o)) for p, o in zip(shown, out)]
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -127,7 +139,7 @@ class Run:
     mcfg: ModelConfig
     execution: ExecutionConfig
     ckpt: Checkpointer
-    data: Any  # Data or SFTData: train_iter, make_eval_iter, tokenizer
+    data: Any  # Data, SFTData or PreferenceData: train_iter, make_eval_iter, tokenizer
     steps: Steps
     build: Any  # the model builder (a LoRA model when fine-tuning)
     writer: MetricsWriter
@@ -173,9 +185,13 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
     if stop.signum:  # a signal during start-up: nothing new to save
         raise Interrupted(f"stopped by signal {stop.signum} before training", -1, stop.signum)
     build = finetune.model_fn(mcfg, cfg.lora, cfg.seed, execution)
-    steps = compile_steps(mcfg, tc, mesh, cfg.seed, build, finetune.trainable(cfg.lora))
+    steps = compile_steps(mcfg, tc, mesh, cfg.seed, build, finetune.trainable(cfg.lora),
+                          **_step_functions(cfg))
     state, progress = _initial_state(cfg, mcfg, ckpt, data, steps, latest)
     start = int(jax.device_get(state.step))
+    if isinstance(data, PreferenceData) and preference.precomputed_reference(cfg):
+        preference.attach_reference(data, steps, state.params, build, mesh, workdir,
+                                    fresh=start == 0, source=tc.init_from)
     writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
     writer.truncate_after(start)
     seq_len = cfg.data.seq_len
@@ -188,7 +204,9 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
     # The first shuffle window (data.shuffle_buffer_tokens) fills in the pipeline's thread while
     # the train step compiles here, instead of one after the other before step 1.
     data.train_iter.start_prefetch()
-    steps.train.lower(state, {k: jax.ShapeDtypeStruct((tc.batch_size, seq_len), dtype,
+    shapes = (data.batch_shapes(tc.batch_size) if isinstance(data, PreferenceData) else
+              {k: (tc.batch_size, seq_len) for k in data.batch_dtypes})
+    steps.train.lower(state, {k: jax.ShapeDtypeStruct(shapes[k], dtype,
                                                       sharding=steps.batch_sharding)
                               for k, dtype in data.batch_dtypes.items()}).compile()
     return Run(cfg=cfg, workdir=workdir, mcfg=mcfg, execution=execution, ckpt=ckpt, data=data,
@@ -200,16 +218,29 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
                                  skipped=int(progress.get("skipped_updates", 0))))
 
 
+def _step_functions(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The objective and evaluation of a preference run (`dpo.files` set); none otherwise
+    (the language-model loss and validation loss)."""
+    if not cfg.dpo.files:
+        return {}
+    return preference.step_functions(preference.PreferenceConfig.from_section(cfg.dpo))
+
+
 def _open_data(cfg: ml_collections.ConfigDict, workdir: str, mcfg: ModelConfig) -> Any:
-    """The pre-training or SFT data, its tokenizer checked against the model's vocabulary.
+    """The pre-training, SFT or preference data, its tokenizer checked against the model's
+    vocabulary.
     Process 0 builds the tokenizer (and a named TFDS dataset) in the workdir; the others read
     them."""
     tc, is_main = cfg.train, jax.process_index() == 0
     if not is_main:
         distributed.barrier("data")
     from_task = bool(cfg.task.name and not (cfg.sft.files or cfg.sft.tfds_name))
-    sft = bool(cfg.sft.files or cfg.sft.tfds_name) or from_task
-    if sft:
+    chat = bool(cfg.sft.files or cfg.sft.tfds_name or cfg.dpo.files) or from_task
+    if cfg.dpo.files:
+        data = make_preference_data(cfg.dpo, tokenizer_path=cfg.dpo.tokenizer or tc.init_from,
+                                    seq_len=cfg.data.seq_len, batch_size=tc.batch_size,
+                                    seed=cfg.seed)
+    elif chat:
         tokenizer = cfg.sft.tokenizer or tc.init_from
         if from_task and not tokenizer:  # a model trained from scratch on the task
             tokenizer = workdir
@@ -223,10 +254,10 @@ def _open_data(cfg: ml_collections.ConfigDict, workdir: str, mcfg: ModelConfig) 
                              global_batch_size=tc.batch_size)
     if is_main:
         distributed.barrier("data")
-    if sft and data.tokenizer.vocab_size > mcfg.vocab_size:
+    if chat and data.tokenizer.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer {data.tokenizer.path} has {data.tokenizer.vocab_size} "
                          f"tokens, more than the model's vocab_size={mcfg.vocab_size}")
-    if not sft and data.tokenizer.vocab_size != mcfg.vocab_size:
+    if not chat and data.tokenizer.vocab_size != mcfg.vocab_size:
         raise ValueError(f"tokenizer in {workdir} has vocab {data.tokenizer.vocab_size}, "
                          f"model.vocab_size is {mcfg.vocab_size}")
     return data
@@ -326,7 +357,8 @@ def log(run: Run, done: int, metrics: dict[str, Any], bar: Any) -> None:
     now = time.perf_counter()
     record = {k: (v if k == "expert_load" else float(v)) for k, v in m.items()}
     if done > run.start + 1:  # the first step includes compilation
-        tps = p.steps_since_log * tc.batch_size * run.cfg.data.seq_len / (now - p.t_log)
+        rows = 2 if run.cfg.dpo.files else 1  # a preference pair is two sequences
+        tps = p.steps_since_log * tc.batch_size * rows * run.cfg.data.seq_len / (now - p.t_log)
         record |= {"tokens_per_sec": tps, "step_time": (now - p.t_log) / p.steps_since_log,
                    "mfu": tps * run.flops_per_token / run.peak}
     p.t_log, p.steps_since_log = now, 0
@@ -340,7 +372,8 @@ def log(run: Run, done: int, metrics: dict[str, Any], bar: Any) -> None:
     p.last = record
     check_pending(run)
     bar.set_postfix({k: f"{record[k]:.4g}" for k in
-                     ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_bpb")
+                     ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_bpb",
+                      "val_preference_accuracy")
                      if k in record}, refresh=False)
 
 
@@ -375,7 +408,7 @@ def finish(run: Run) -> None:
         plot_expert_load(records, os.path.join(run.workdir, "expert_load.png"))
         samples = []
         if tc.num_samples and jax.process_count() == 1:  # multi-host params are not all here
-            samples = sample_text(run.progress.state.params, run.mcfg, run.data.tokenizer,
+            samples = sample_text(run.progress.state.params, run.mcfg, run.data,
                                   seed=run.cfg.seed, num_samples=tc.num_samples,
                                   model_fn=run.build)
         with open(os.path.join(run.workdir, "samples.txt"), "w") as f:

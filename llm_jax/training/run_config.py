@@ -20,6 +20,7 @@ from llm_jax.data.sft import DEFAULT_LOSS_CHANNELS, loss_channels
 from llm_jax.data.tasks import TaskConfig
 from llm_jax.execution import ExecutionConfig
 from llm_jax.training.policy_loss import AGGREGATIONS, RATIOS, PolicyLossConfig
+from llm_jax.training.preference import LOSSES, PreferenceConfig
 
 
 def default_run_config(name: str, model: ModelConfig,
@@ -33,6 +34,7 @@ def default_run_config(name: str, model: ModelConfig,
     cfg.data = _data()
     cfg.train = _train()
     cfg.sft = _sft()
+    cfg.dpo = _dpo()
     cfg.lora = _lora()
     cfg.rl = _rl()
     cfg.mesh = _mesh()
@@ -127,6 +129,21 @@ def _task() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(TaskConfig().to_dict())
 
 
+def _dpo() -> ml_collections.ConfigDict:
+    # Preference optimisation (llm_jax/training/preference.py, docs/posttraining.md); used when
+    # files is set: pairs of responses instead of `data` or `sft`.
+    c = ml_collections.ConfigDict()
+    c.files = ""  # glob of JSONL files of {"prompt", "chosen", "rejected"}
+    c.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
+    c.loss = "dpo"  # dpo (against a reference policy) | simpo (reference-free)
+    c.beta = 0.1  # DPO: the reward's scale, 1 / the KL penalty; SimPO: its reward scale
+    c.label_smoothing = 0.0  # DPO: the chance a pair's label is wrong (conservative DPO)
+    c.gamma = 0.5  # SimPO: the target reward margin
+    c.validation_fraction = 0.1  # prompts held out (by hash) for the held-out accuracy
+    c.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
+    return c
+
+
 def _lora() -> ml_collections.ConfigDict:
     # LoRA (llm_jax/model/lora.py): rank 0 = full fine-tuning.
     c = ml_collections.ConfigDict()
@@ -216,6 +233,8 @@ def _checkpoint() -> ml_collections.ConfigDict:
 
 _CHOICES = {  # (section, field): the values allowed
     ("sft", "on_bad_line"): ON_BAD_LINE,
+    ("dpo", "on_bad_line"): ON_BAD_LINE,
+    ("dpo", "loss"): LOSSES,
     ("data", "on_bad_file"): ON_BAD_FILE,
     ("rl", "aggregation"): AGGREGATIONS,
     ("rl", "ratio"): RATIOS,
@@ -283,6 +302,7 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
                              f"expected one of {list(allowed)}")
     loss_channels(cfg.sft.get("loss_channels", DEFAULT_LOSS_CHANNELS))
     TaskConfig.from_section(cfg.task)
+    _validate_dpo(cfg)
     tc = cfg.train
     if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
         raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "
@@ -294,6 +314,12 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
     execution_config(cfg)
     if cfg.rl.rewards:
         rl_loss_config(cfg.rl)
+        for section, key in (("sft", "files"), ("sft", "tfds_name"), ("dpo", "files")):
+            if cfg[section][key]:
+                raise ValueError(f"config fields rl.rewards={cfg.rl.rewards!r} and {section}."
+                                 f"{key}={cfg[section][key]!r} conflict: an RL run trains on its "
+                                 "task's prompts and their rewards, not on SFT conversations or "
+                                 "preference pairs")
         rows = cfg.rl.prompts_per_step * cfg.rl.group_size
         if rows % tc.grad_accum_steps:
             raise ValueError(f"rl.prompts_per_step={cfg.rl.prompts_per_step} x rl.group_size="
@@ -325,6 +351,21 @@ def rl_loss_config(rl: ml_collections.ConfigDict) -> PolicyLossConfig:
                                 max_tokens=rl.max_new_tokens)
     except ValueError as e:
         raise ValueError(f"config field rl.{e}") from e
+
+
+def _validate_dpo(cfg: ml_collections.ConfigDict) -> None:
+    PreferenceConfig.from_section(cfg.dpo)
+    if not 0.0 <= cfg.dpo.validation_fraction < 1.0:
+        raise ValueError(f"config field dpo.validation_fraction={cfg.dpo.validation_fraction!r}"
+                         " is invalid: expected a fraction in [0, 1)")
+    if cfg.dpo.files and (cfg.sft.files or cfg.sft.tfds_name):
+        raise ValueError(f"config fields dpo.files={cfg.dpo.files!r} and sft.files / "
+                         "sft.tfds_name conflict: a run trains on preference pairs or on SFT "
+                         "conversations, not both")
+    if cfg.dpo.files and cfg.task.name:
+        raise ValueError(f"config fields dpo.files={cfg.dpo.files!r} and task.name="
+                         f"{cfg.task.name!r} conflict: a run trains on preference pairs or on a "
+                         "task, not both")
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:

@@ -295,10 +295,12 @@ def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh
                   seed: int, model_fn: ModelFn | None = None,
                   trainable: Any = TRAINABLE, *,
                   execution: ExecutionConfig = ExecutionConfig(),
-                  objective: Objective = lm_objective) -> Steps:
+                  objective: Objective = lm_objective,
+                  evaluation: Callable[..., dict[str, jax.Array]] = eval_step) -> Steps:
     """Jitted init/train/eval with shardings derived from the params' logical axes;
     `model_fn`/`trainable`/`execution` as in init_state (LoRA: training/finetune.py); the
-    train step minimises `objective` (default: the language-model loss)."""
+    train step minimises `objective` (default: the language-model loss), the eval step sums
+    `evaluation(params, batch, graphdef=...)` (default: `eval_step`'s)."""
     if train.batch_size % train.grad_accum_steps:
         raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
                          f"train.grad_accum_steps={train.grad_accum_steps}")
@@ -321,7 +323,7 @@ def compile_steps(cfg: ModelConfig, train: ml_collections.ConfigDict, mesh: Mesh
     # Traced under the mesh, so activation constraints and the expert-parallel MoE see it.
     init = jax.jit(with_mesh(init_fn, mesh), out_shardings=state_sh)
     step = jit_train_step(graphdef, tx, train, trainable, mesh, state_sh, batch_sh, objective)
-    evaluate = jax.jit(with_mesh(functools.partial(eval_step, graphdef=graphdef), mesh),
+    evaluate = jax.jit(with_mesh(functools.partial(evaluation, graphdef=graphdef), mesh),
                        in_shardings=(state_sh.params, batch_sh), out_shardings=rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_sh)

@@ -228,3 +228,7 @@ def test_a_task_gives_sft_its_reference_replies_and_holds_out_its_eval_split(tmp
     assert learned(data.eval_rows) == [reply(task.example("eval", i)) for i in range(8)]
     assert data.train_iter.identity["task"] == task.identity()
     assert data.name == "task:arithmetic"
+    # The end-of-run samples answer held-out problems, prompted up to the assistant's turn.
+    shown, ids = data.sample_prompts(2)[1]
+    assert shown == task.example("eval", 1).prompt
+    assert tok.decode(ids).endswith(f"{shown}<|end|><|start|>assistant")
