@@ -31,8 +31,9 @@ from llm_jax.execution import ExecutionConfig
 from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.model.params import TRAINABLE
 from llm_jax.model.transformer import Transformer
+from llm_jax.training.run_config import model_config
 from llm_jax.training.step import ModelFn, Steps, TrainState
-from llm_jax.weights.checkpointing import Checkpointer
+from llm_jax.weights.checkpointing import Checkpointer, check_same_model
 from llm_jax.weights.configs import LOAD_CONVERSIONS
 from llm_jax.weights.readers import FORMATS, detect_format, load_pretrained
 
@@ -118,6 +119,29 @@ def initial_state(steps: Steps, tx: optax.GradientTransformation, init_from: str
     opt_init = jax.jit(lambda p: tx.init(nnx.filter_state(p, trainable(lora))), out_shardings=sh.opt_state)
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), sh.step), params=params,
                       opt_state=opt_init(params))
+
+
+def run_model_config(cfg: ml_collections.ConfigDict, ckpt: Checkpointer
+                     ) -> tuple[int | None, ModelConfig]:
+    """(the newest restorable step or None, the run's ModelConfig). The newest checkpoint that
+    passes its checksums and whose config reads; the corrupt ones are reported and moved to
+    WORKDIR/corrupt_checkpoints. A changed model is refused before any expensive work (a
+    changed execution is not: it is how the same model runs)."""
+    tc = cfg.train
+    latest, saved_config = ckpt.first_restorable(ckpt.restore_config, move_bad=True)
+    if tc.init_from:  # a resumed run keeps its own weights and config: init_from is not read
+        base = (ModelConfig.from_saved(saved_config["model"]) if latest is not None
+                else pretrained_config(tc.init_from))
+        mcfg = resolve_model_config(cfg.model, base, tc.init_from)
+    else:
+        mcfg = model_config(cfg)
+    check_trainable(mcfg, cfg.lora, f"train.init_from={tc.init_from!r}" if tc.init_from
+                    else "the run config")
+    if latest is not None:
+        check_same_model(saved_config, mcfg, ckpt.directory)
+    else:
+        ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
+    return latest, mcfg
 
 
 def restore_finetuned(workdir: str, step: int | None = None) -> tuple[nnx.Module, dict[str, Any]]:

@@ -49,10 +49,11 @@ from llm_jax.training import faults, finetune, preference
 from llm_jax.training.metrics import MetricsWriter, read_metrics
 from llm_jax.training.plots import plot_expert_load, plot_losses
 from llm_jax.training.preemption import Interrupted, StopRequest
-from llm_jax.training.run_config import execution_config, model_config, validate_run_config
+from llm_jax.training.rl_loop import train_rl
+from llm_jax.training.run_config import execution_config, rl_enabled, validate_run_config
 from llm_jax.training.step import Steps, compile_steps, make_optimizer
 from llm_jax.training.workdir_lock import hold_workdir
-from llm_jax.weights.checkpointing import Checkpointer, check_same_model
+from llm_jax.weights.checkpointing import Checkpointer
 
 
 def ensure_writable(workdir: str) -> None:
@@ -108,12 +109,14 @@ def sample_text(params: Any, cfg: ModelConfig, data: Any, *, seed: int,
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Runs (or resumes) training; returns the last logged metrics. Raises `Interrupted` after
-    saving when a stop signal arrives, FloatingPointError on a non-finite step, WorkdirInUse
-    if another run holds the workdir."""
+    """Runs (or resumes) training, or RL when the config's `rl.rewards` is set; returns the last
+    logged metrics. Raises `Interrupted` after saving when a stop signal arrives,
+    FloatingPointError on a non-finite step, WorkdirInUse if another run holds the workdir."""
     validate_run_config(cfg)  # before the workdir is touched
     ensure_writable(workdir)
     with StopRequest() as stop, hold_workdir(workdir):
+        if rl_enabled(cfg):  # RL with verifiable rewards: its own steps (training/rl_loop.py)
+            return train_rl(cfg, workdir, stop)
         run = setup(cfg, workdir, stop)
         try:
             last = _loop(run, stop)
@@ -170,7 +173,7 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
     ckpt = Checkpointer(workdir, max_to_keep=cfg.checkpoint.max_to_keep,
                         async_save=cfg.checkpoint.async_save, cleanup_tmp=True,
                         checksums=cfg.checkpoint.checksums)
-    latest, mcfg = _model_config(cfg, ckpt)
+    latest, mcfg = finetune.run_model_config(cfg, ckpt)
     execution = execution_config(cfg)  # how it runs: never checked against a checkpoint
     # The MFU denominator, measured (if not cached) before the data pipeline's threads and the
     # compiler start, so that they do not share the cores with it (runtime/peak.py).
@@ -213,29 +216,6 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
                                             "execution": execution.to_dict()},
                progress=Progress(state=state, last_saved=start,
                                  skipped=int(progress.get("skipped_updates", 0))))
-
-
-def _model_config(cfg: ml_collections.ConfigDict, ckpt: Checkpointer
-                  ) -> tuple[int | None, ModelConfig]:
-    """(the newest restorable step or None, the run's ModelConfig). The newest checkpoint that
-    passes its checksums and whose config reads; the corrupt ones are reported and moved to
-    WORKDIR/corrupt_checkpoints. A changed model is refused before any expensive work (a
-    changed execution is not: it is how the same model runs)."""
-    tc = cfg.train
-    latest, saved_config = ckpt.first_restorable(ckpt.restore_config, move_bad=True)
-    if tc.init_from:  # a resumed run keeps its own weights and config: init_from is not read
-        base = (ModelConfig.from_saved(saved_config["model"]) if latest is not None
-                else finetune.pretrained_config(tc.init_from))
-        mcfg = finetune.resolve_model_config(cfg.model, base, tc.init_from)
-    else:
-        mcfg = model_config(cfg)
-    finetune.check_trainable(mcfg, cfg.lora, f"train.init_from={tc.init_from!r}" if tc.init_from
-                             else "the run config")
-    if latest is not None:
-        check_same_model(saved_config, mcfg, ckpt.directory)
-    else:
-        ckpt.check_fresh_start(cfg.checkpoint.allow_fresh_start)
-    return latest, mcfg
 
 
 def _step_functions(cfg: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""End-of-run pictures: loss curves, and expert load per layer over time (collapsed experts show
-up as dark rows)."""
+"""End-of-run pictures: loss curves, expert load per layer over time (collapsed experts show
+up as dark rows), and an RL run's rewards and pass rates."""
 
 from __future__ import annotations
 
@@ -52,5 +52,31 @@ def plot_expert_load(records: list[dict[str, Any]], path: str) -> None:
                        extent=(steps[0], steps[-1], -0.5, num_experts - 0.5), cmap="viridis")
         ax.set(title=f"layer {layer}", xlabel="step", ylabel="expert" if layer == 0 else None)
     fig.colorbar(im, ax=axes[0].tolist(), label=f"load fraction (balanced = {1 / num_experts:.3f})")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_rewards(records: list[dict[str, Any]], path: str) -> None:
+    """An RL run: mean reward and sampled pass rate per logged step, greedy eval pass rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[key]) for r in records if key in r]
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if reward := series("reward_mean"):
+        axes[0].plot(*zip(*reward), label="mean reward (sampled)")
+    axes[0].set(xlabel="RL step", ylabel="reward", title="Reward")
+    axes[0].legend()
+    for key, style, label in (("pass_rate", "-", "sampled"),
+                              ("eval_pass_rate", "o-", "greedy, held out")):
+        if points := series(key):
+            axes[1].plot(*zip(*points), style, label=label)
+    axes[1].set(xlabel="RL step", ylabel="pass rate", title="Pass rate", ylim=(-0.02, 1.02))
+    axes[1].legend()
+    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -27,13 +27,15 @@ from llm_jax.inference.requests import SamplingParams, Sequence as EngineSequenc
 class Completion:
     """One sampled completion: `tokens` as sampled (the stop token that ended it included),
     their log-probs under the sampler, the routing of every position fed to the model (the
-    prompt's and all sampled tokens but the last: [len(prompt) + len(tokens) - 1, L, k])."""
+    prompt's and all sampled tokens but the last: [len(prompt) + len(tokens) - 1, L, k]).
+    `first_token_at`: when its first token was drawn (time.monotonic)."""
 
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]
     routing: np.ndarray
     finish_reason: str
+    first_token_at: float | None = None
 
 
 def rollout(engine: Engine, prompts: Sequence[Sequence[int]], group_size: int,
@@ -66,7 +68,7 @@ def rollout(engine: Engine, prompts: Sequence[Sequence[int]], group_size: int,
                 raise RuntimeError(f"a rollout ended with {seq.finish_reason!r}")
             tokens = seq.tokens + ([seq.stop_token] if seq.stop_token is not None else [])
             group.append(Completion(seq.prompt, tokens, list(seq.logprobs),
-                                    np.stack(seq.routing), seq.finish_reason))
+                                    np.stack(seq.routing), seq.finish_reason, seq.first_token_at))
         out.append(group)
     return out
 

@@ -19,6 +19,7 @@ from llm_jax.data.config import ON_BAD_FILE, ON_BAD_LINE
 from llm_jax.data.sft import DEFAULT_LOSS_CHANNELS, loss_channels
 from llm_jax.data.tasks import TaskConfig
 from llm_jax.execution import ExecutionConfig
+from llm_jax.training.policy_loss import AGGREGATIONS, RATIOS, PolicyLossConfig
 from llm_jax.training.preference import LOSSES, PreferenceConfig
 
 
@@ -35,6 +36,7 @@ def default_run_config(name: str, model: ModelConfig,
     cfg.sft = _sft()
     cfg.dpo = _dpo()
     cfg.lora = _lora()
+    cfg.rl = _rl()
     cfg.mesh = _mesh()
     cfg.distributed = _distributed()
     cfg.checkpoint = _checkpoint()
@@ -151,6 +153,41 @@ def _lora() -> ml_collections.ConfigDict:
     return c
 
 
+def _rl() -> ml_collections.ConfigDict:
+    # RL with verifiable rewards (llm_jax/training/rl_loop.py, docs/posttraining.md): a run with
+    # `rewards` set samples completions of the `task`'s prompts and trains on their rewards
+    # instead of running the language-model loop. train.num_steps, warmup_steps, log_every_steps
+    # and checkpoint.every_steps count RL steps (one rollout batch each); the batch is
+    # prompts_per_step * group_size completions (train.batch_size is not read).
+    c = ml_collections.ConfigDict()
+    c.rewards = ""  # "name:weight,..." (llm_jax.training.rewards.REWARDS); "" = no RL
+    c.pass_threshold = 1.0  # a completion passes when its weighted reward is at least this
+    c.group_size = 8  # G completions per prompt: each one's advantage is against its group's
+    c.prompts_per_step = 8  # P prompts a step, taken in order from the task's train split
+    c.max_prompt_tokens = 256  # a longer rendered prompt is refused, naming its example
+    c.max_new_tokens = 128
+    c.temperature = 1.0  # sampling, and the trainer's log-probs (logits / temperature)
+    c.top_p = 1.0
+    c.updates_per_rollout = 1  # optimizer steps on each rollout batch (ratios vs the rollout)
+    loss = PolicyLossConfig()  # its fields, by their names (llm_jax/training/policy_loss.py)
+    c.aggregation = loss.aggregation
+    c.ratio = loss.ratio
+    c.epsilon_low = loss.epsilon_low
+    c.epsilon_high = loss.epsilon_high
+    c.beta = loss.beta  # > 0: KL to the reference (LoRA: adapters off; else the initial params)
+    c.importance_cap = 0.0  # truncated importance sampling cap (>= 1); 0 = off
+    c.scale_by_std = loss.scale_by_std
+    c.dynamic_sampling = False  # drop groups whose rewards are all equal (counted either way)
+    c.replay = True  # replay the rollout's MoE routing in the trainer's forwards
+    c.allow_dropping_dispatch = False  # permit a capacity / expert_parallel MoE dispatch
+    c.eval_every_steps = 10  # greedy pass rate on the task's eval split; 0 = start and end only
+    c.eval_examples = 64
+    c.engine_slots = 0  # sequences the rollout engine decodes together; 0 = the whole batch
+    c.engine_max_prefill = 8  # prompts prefilled in one call
+    c.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
+    return c
+
+
 def _mesh() -> ml_collections.ConfigDict:
     # Device mesh (llm_jax.parallel.sharding): sizes within a slice / node; one may be -1 (the rest).
     # dcn_* multiply them across TPU slices or GPU nodes (the data-center network). See
@@ -199,6 +236,8 @@ _CHOICES = {  # (section, field): the values allowed
     ("dpo", "on_bad_line"): ON_BAD_LINE,
     ("dpo", "loss"): LOSSES,
     ("data", "on_bad_file"): ON_BAD_FILE,
+    ("rl", "aggregation"): AGGREGATIONS,
+    ("rl", "ratio"): RATIOS,
 }
 
 _MIN = {  # (section, field): smallest allowed value
@@ -209,6 +248,11 @@ _MIN = {  # (section, field): smallest allowed value
     ("train", "weight_decay"): 0, ("train", "min_lr_ratio"): 0,
     ("checkpoint", "every_steps"): 1, ("checkpoint", "max_to_keep"): 1,
     ("checkpoint", "inject_kill_during_save_at_step"): -1, ("lora", "rank"): 0,
+    ("rl", "group_size"): 2, ("rl", "prompts_per_step"): 1, ("rl", "max_prompt_tokens"): 1,
+    ("rl", "max_new_tokens"): 1, ("rl", "updates_per_rollout"): 1, ("rl", "epsilon_low"): 0,
+    ("rl", "epsilon_high"): 0, ("rl", "beta"): 0, ("rl", "importance_cap"): 0,
+    ("rl", "eval_every_steps"): 0, ("rl", "eval_examples"): 0, ("rl", "engine_slots"): 0,
+    ("rl", "engine_max_prefill"): 1,
 }
 
 
@@ -263,11 +307,50 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
     if not tc.learning_rate > 0 or tc.learning_rate == float("inf"):
         raise ValueError(f"config field train.learning_rate={tc.learning_rate!r} is invalid: "
                          "expected a finite number > 0")
-    if tc.batch_size % tc.grad_accum_steps:
+    if tc.batch_size % tc.grad_accum_steps and not cfg.rl.rewards:  # RL's: checked below
         raise ValueError(f"train.batch_size={tc.batch_size} and train.grad_accum_steps="
                          f"{tc.grad_accum_steps} conflict: the batch must split into equal "
                          "microbatches")
     execution_config(cfg)
+    if cfg.rl.rewards:
+        rl_loss_config(cfg.rl)
+        for section, key in (("sft", "files"), ("sft", "tfds_name"), ("dpo", "files")):
+            if cfg[section][key]:
+                raise ValueError(f"config fields rl.rewards={cfg.rl.rewards!r} and {section}."
+                                 f"{key}={cfg[section][key]!r} conflict: an RL run trains on its "
+                                 "task's prompts and their rewards, not on SFT conversations or "
+                                 "preference pairs")
+        rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+        if rows % tc.grad_accum_steps:
+            raise ValueError(f"rl.prompts_per_step={cfg.rl.prompts_per_step} x rl.group_size="
+                             f"{cfg.rl.group_size} = {rows} rows and train.grad_accum_steps="
+                             f"{tc.grad_accum_steps} conflict: the RL batch must split into "
+                             "equal microbatches")
+
+
+def rl_enabled(cfg: ml_collections.ConfigDict) -> bool:
+    """Whether the run is RL (`rl.rewards` set) rather than language-model training."""
+    return bool(cfg.rl.rewards)
+
+
+def rl_loss_config(rl: ml_collections.ConfigDict) -> PolicyLossConfig:
+    """The `rl` section's loss fields as a PolicyLossConfig, a bad value named as rl.<field>."""
+    if not 0 < rl.temperature < float("inf"):
+        raise ValueError(f"config field rl.temperature={rl.temperature!r} is invalid: expected "
+                         "a finite number > 0 (RL samples; the trainer divides logits by it)")
+    if not 0 < rl.top_p <= 1:
+        raise ValueError(f"config field rl.top_p={rl.top_p!r} is invalid: expected a number "
+                         "in (0, 1]")
+    if rl.importance_cap and not rl.importance_cap >= 1:
+        raise ValueError(f"config field rl.importance_cap={rl.importance_cap!r} is invalid: "
+                         "expected 0 (off) or >= 1")
+    fields = {k: rl[k] for k in ("aggregation", "ratio", "epsilon_low", "epsilon_high", "beta",
+                                 "scale_by_std")}
+    try:
+        return PolicyLossConfig(**fields, importance_cap=rl.importance_cap or None,
+                                max_tokens=rl.max_new_tokens)
+    except ValueError as e:
+        raise ValueError(f"config field rl.{e}") from e
 
 
 def _validate_dpo(cfg: ml_collections.ConfigDict) -> None:
