@@ -17,6 +17,7 @@ from flax import nnx
 from helpers import SMALL_MODEL, read_records, tiny_train
 
 from llm_jax.data.preference_synthetic import write_synthetic_preferences
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import init_model
 from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.parallel.sharding import mesh_from_config
@@ -218,9 +219,10 @@ def test_gradient_accumulation_over_pairs_equals_one_batch():
     batch = {k: jnp.concatenate([v, v[:1]]) for k, v in pair_batch().items()}  # 4 pairs
     mesh = mesh_from_config(default_run_config("t", SMALL_MODEL).mesh)
     updates = []
-    for accumulate in (1, 2):
+    for accumulate in (1, 2):  # the dense MoE: the cheapest program to compile, twice
         steps = compile_steps(SMALL_MODEL, tiny_train(batch_size=4, grad_accum_steps=accumulate),
-                              mesh, 0, **step_functions(PreferenceConfig("simpo", beta=2.0)))
+                              mesh, 0, execution=ExecutionConfig(moe_dispatch="dense"),
+                              **step_functions(PreferenceConfig("simpo", beta=2.0)))
         state, metrics = steps.train(steps.init(), batch)
         updates.append((metrics["loss"], jax.tree.leaves(state.params)))
     np.testing.assert_allclose(updates[0][0], updates[1][0], rtol=1e-6)
