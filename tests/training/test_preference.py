@@ -17,6 +17,7 @@ from flax import nnx
 from helpers import SMALL_MODEL, read_records, tiny_train
 
 from llm_jax.data.preference_synthetic import write_synthetic_preferences
+from llm_jax.execution import ExecutionConfig
 from llm_jax.model import init_model
 from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.parallel.sharding import mesh_from_config
@@ -146,16 +147,6 @@ def plain_sums(model, batch) -> jax.Array:
     return (logp * rows["loss_mask"]).sum(-1).reshape(-1, 2)
 
 
-def test_sequence_logprob_sums_equal_a_log_softmax_of_the_logits():
-    model = init_model(SMALL_MODEL, seed=1)
-    batch = pair_batch()
-    _, logp, mask = sequence_logprobs(model, flat_rows(batch), train=False)
-    got = pair_sums(logp, mask)
-    want = plain_sums(model, batch)
-    assert np.all(np.abs(np.asarray(want)) > 1.0)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-
-
 def lora_model(seed=1):
     """SMALL_MODEL with rank-4 adapters whose B is not zero (so the adapters change it), and
     the base it adapts."""
@@ -169,39 +160,57 @@ def lora_model(seed=1):
     return model, base
 
 
-def test_the_lora_reference_is_the_base_model_exactly():
+@pytest.fixture(scope="module")
+def on_a_model():
+    """(adapted model, its base, pair_batch(), the base's plain_sums of it), built once for the
+    tests below (none of them changes a model)."""
     model, base = lora_model()
     batch = pair_batch()
-    adapted, reference, want = (plain_sums(m, batch) for m in (model, adapters_off(model), base))
+    return model, base, batch, plain_sums(base, batch)
+
+
+def test_sequence_logprob_sums_equal_a_log_softmax_of_the_logits(on_a_model):
+    _, base, batch, want = on_a_model
+    _, logp, mask = sequence_logprobs(base, flat_rows(batch), train=False)
+    got = pair_sums(logp, mask)
+    assert np.all(np.abs(np.asarray(want)) > 1.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_the_lora_reference_is_the_base_model_exactly(on_a_model):
+    model, _, batch, want = on_a_model
+    adapted, reference = (plain_sums(m, batch) for m in (model, adapters_off(model)))
     np.testing.assert_array_equal(reference, want)
     assert np.abs(np.asarray(adapted) - np.asarray(want)).max() > 1e-2  # the adapters count
     assert jax.tree.leaves(nnx.state(model, LoRAParam))[0].any()  # `model` left unchanged
 
 
-@pytest.mark.parametrize("cfg", [PreferenceConfig("dpo", beta=0.5, label_smoothing=0.1),
-                                 PreferenceConfig("simpo", beta=2.0, gamma=0.3)],
-                         ids=["dpo", "simpo"])
-def test_value_and_gradients_equal_the_plain_full_logits_computation(cfg):
-    model, base = lora_model()
-    batch = pair_batch()
-    ref = plain_sums(base, batch)
+def test_value_and_gradients_equal_the_plain_full_logits_computation(on_a_model):
+    """DPO (with label smoothing) and SimPO, both in one compiled program."""
+    model, _, batch, ref = on_a_model
     length = batch["loss_mask"].sum(-1)
+    cfgs = (PreferenceConfig("dpo", beta=0.5, label_smoothing=0.1),
+            PreferenceConfig("simpo", beta=2.0, gamma=0.3))
 
     @nnx.jit
     def both(model, batch):
-        fused = nnx.value_and_grad(lambda m: preference_objective(m, batch, cfg)[0],
-                                   argnums=nnx.DiffState(0, LoRAParam))(model)
-        plain = nnx.value_and_grad(
-            lambda m: preference_loss(plain_sums(m, batch), ref, length, cfg)[0],
-            argnums=nnx.DiffState(0, LoRAParam))(model)
-        return fused, plain
+        out = []
+        for cfg in cfgs:
+            fused = nnx.value_and_grad(lambda m: preference_objective(m, batch, cfg)[0],
+                                       argnums=nnx.DiffState(0, LoRAParam))(model)
+            plain = nnx.value_and_grad(
+                lambda m: preference_loss(plain_sums(m, batch), ref, length, cfg)[0],
+                argnums=nnx.DiffState(0, LoRAParam))(model)
+            out.append((fused, plain))
+        return out
 
-    (value, grads), (want_value, want_grads) = both(model, batch)
-    np.testing.assert_allclose(value, want_value, rtol=1e-5)
-    flat, want_flat = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
-    assert len(flat) == len(want_flat) == 6 and max(np.abs(g).max() for g in want_flat) > 1e-3
-    for g, w in zip(flat, want_flat):
-        np.testing.assert_allclose(g, w, atol=2e-5 * max(np.abs(w).max(), 1e-6), rtol=0)
+    for cfg, ((value, grads), (want_value, want_grads)) in zip(cfgs, both(model, batch)):
+        np.testing.assert_allclose(value, want_value, rtol=1e-5, err_msg=cfg.loss)
+        flat, want_flat = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
+        assert len(flat) == len(want_flat) == 6 and max(np.abs(g).max() for g in want_flat) > 1e-3
+        for g, w in zip(flat, want_flat):
+            np.testing.assert_allclose(g, w, atol=2e-5 * max(np.abs(w).max(), 1e-6), rtol=0,
+                                       err_msg=cfg.loss)
 
 
 def test_gradient_accumulation_over_pairs_equals_one_batch():
@@ -210,9 +219,10 @@ def test_gradient_accumulation_over_pairs_equals_one_batch():
     batch = {k: jnp.concatenate([v, v[:1]]) for k, v in pair_batch().items()}  # 4 pairs
     mesh = mesh_from_config(default_run_config("t", SMALL_MODEL).mesh)
     updates = []
-    for accumulate in (1, 2):
+    for accumulate in (1, 2):  # the dense MoE: the cheapest program to compile, twice
         steps = compile_steps(SMALL_MODEL, tiny_train(batch_size=4, grad_accum_steps=accumulate),
-                              mesh, 0, **step_functions(PreferenceConfig("simpo", beta=2.0)))
+                              mesh, 0, execution=ExecutionConfig(moe_dispatch="dense"),
+                              **step_functions(PreferenceConfig("simpo", beta=2.0)))
         state, metrics = steps.train(steps.init(), batch)
         updates.append((metrics["loss"], jax.tree.leaves(state.params)))
     np.testing.assert_allclose(updates[0][0], updates[1][0], rtol=1e-6)

@@ -7,8 +7,10 @@ each fault and what happened."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -100,11 +102,21 @@ def _same_run(a: Path, b: Path) -> None:
         [(r["step"], r["loss"]) for r in read_records(b)]
 
 
+def cli_config(corpus_dir: str) -> ml_collections.ConfigDict:
+    """The run config `_cmd` gives the command line, built in this process."""
+    cfg = runpy.run_path(str(ROOT / "configs/tiny.py"))["get_config"]()
+    for key, value in {**OVERRIDES, "data.files": os.path.join(corpus_dir, "*")}.items():
+        section, field = key.split(".")
+        cfg[section][field] = value
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def reference(corpus_dir, tmp_path_factory) -> Path:
+    """The uninterrupted run, in this process: train() with the command line's config computes
+    what the command line does (its start-up adds nothing to the run)."""
     workdir = tmp_path_factory.mktemp("reference") / "run"
-    run = Run(workdir, corpus_dir, "straight")
-    assert run.finish() == 0, run.text()[-3000:]
+    train(cli_config(corpus_dir), str(workdir))
     assert complete_steps(workdir) == list(range(EVERY, NUM_STEPS + 1, EVERY))
     assert all((workdir / "checkpoints" / str(s) / MANIFEST).exists()
                for s in complete_steps(workdir))
@@ -187,7 +199,8 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
 
 @pytest.mark.slow
 def test_corrupted_checkpoint_is_named_and_the_previous_one_used(reference, corpus_dir,
-                                                                 tmp_path):
+                                                                 tmp_path, caplog):
+    """The restart runs in this process, as `reference` did."""
     workdir = tmp_path / "run"
     shutil.copytree(reference, workdir)
     shutil.rmtree(workdir / "checkpoints" / str(NUM_STEPS - EVERY))  # fall back two steps
@@ -201,9 +214,9 @@ def test_corrupted_checkpoint_is_named_and_the_previous_one_used(reference, corp
         restore_params(str(workdir), NUM_STEPS)
     assert complete_steps(workdir)[-1] == NUM_STEPS  # a reader moves nothing
 
-    run = Run(workdir, corpus_dir, "corrupt")
-    assert run.finish() == 0, run.text()[-3000:]
-    text = run.text()
+    caplog.set_level(logging.INFO)
+    train(cli_config(corpus_dir), str(workdir))
+    text = caplog.text
     rel = victim.relative_to(step_dir)
     assert f"checkpoint step {NUM_STEPS} in" in text and f"file {rel} does not match" in text
     assert _resumed_from(text) == NUM_STEPS - 2 * EVERY

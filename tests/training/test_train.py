@@ -98,8 +98,17 @@ def _as_written_before_execution_config(workdir: str) -> None:
         write_manifest(step_dir)
 
 
+@pytest.fixture(scope="module")
+def three_steps(corpus_dir, tmp_path_factory) -> str:
+    """A workdir of small_run_config's first 3 steps, checkpointed at step 3 (copy it)."""
+    workdir = str(tmp_path_factory.mktemp("three_steps") / "run")
+    train(small_run_config(corpus_dir, num_steps=3), workdir)
+    return workdir
+
+
 @pytest.mark.slow
-def test_resume_is_exact_with_any_execution_and_from_older_checkpoints(corpus_dir, tmp_path):
+def test_resume_is_exact_with_any_execution_and_from_older_checkpoints(corpus_dir, three_steps,
+                                                                       tmp_path):
     """2N steps in one run == N steps, restart, N more: bitwise equal losses and params.
 
     How the model runs is no part of what it is. Resumed from checkpoints whose saved model
@@ -118,8 +127,7 @@ def test_resume_is_exact_with_any_execution_and_from_older_checkpoints(corpus_di
                              mxfp4_unpack_mib=0)
     reordered = small_run_config(corpus_dir, num_steps=2 * n)
     reordered.execution.update(remat=True, scan_layers=False)
-    first_half = str(tmp_path / "first_half")  # the same N steps for both: run once, copied
-    train(small_run_config(corpus_dir, num_steps=n), first_half)
+    first_half = three_steps  # the same N steps for both: run once, copied
     assert Checkpointer(first_half).latest_step() == n
     for name, second_half in (("bitwise", bitwise), ("reordered", reordered)):
         resumed = str(tmp_path / name)
@@ -193,9 +201,10 @@ def test_train_cli_end_to_end(corpus_dir, tmp_path):
     assert logits.shape == (1, 5, 384)
 
 
-def test_changed_model_config_is_refused_and_checkpoints_kept(corpus_dir, tmp_path):
+def test_changed_model_config_is_refused_and_checkpoints_kept(corpus_dir, three_steps,
+                                                              tmp_path):
     workdir = str(tmp_path / "run")
-    train(small_run_config(corpus_dir, num_steps=3), workdir)
+    shutil.copytree(three_steps, workdir)
     before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
     cfg = small_run_config(corpus_dir, num_steps=6)
     cfg.model.hidden_size = 64
