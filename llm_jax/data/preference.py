@@ -28,14 +28,12 @@ reference_logp float32 [B, 2] (`attach_reference`).
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import grain
-import jax
 import numpy as np
 from absl import logging
 
@@ -46,6 +44,9 @@ from llm_jax.data.sft import (
     RENDER_OPTIONS,
     BadLines,
     Conversation,
+    process_share,
+    read_lines,
+    refuse_or_count,
     to_conversation,
     tokenize_conversation,
 )
@@ -104,26 +105,7 @@ def to_pair(record: Any, where: str = "") -> PreferencePair:
 def read_pairs(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[PreferencePair]:
     """Pairs from every file matching `pattern`, in order; a bad line is named by file and line
     and either skipped (counted in `bad`) or raised."""
-    files = sorted(glob.glob(pattern))
-    if not files:
-        raise ValueError(f"dpo.files={pattern!r} matches no file")
-    for path in files:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    yield to_pair(json.loads(line), where)
-                except (json.JSONDecodeError, ValueError) as e:
-                    refuse_or_count(f"{where}: {e}", on_bad_line, bad)
-
-
-def refuse_or_count(what: str, on_bad_line: str, bad: BadLines) -> None:
-    if on_bad_line == "stop":
-        raise ValueError(f"malformed preference line {what} (dpo.on_bad_line='skip' skips "
-                         "such lines)")
-    bad.add(what)
+    return read_lines(pattern, "dpo", "preference", to_pair, on_bad_line, bad)
 
 
 def tokenize_response(tok: HFTokenizer, prompt: list[Message], response: list[Message],
@@ -274,7 +256,7 @@ def _render(tok: HFTokenizer, pairs: list[PreferencePair], seq_len: int, on_bad_
             if np.array_equal(sides[0][0], sides[1][0]):
                 raise ValueError("chosen and rejected render to the same tokens")
         except ValueError as e:
-            refuse_or_count(f"{p.where}: {e}", on_bad_line, bad)
+            refuse_or_count(f"{p.where}: {e}", "dpo", "preference", on_bad_line, bad)
             continue
         if max(len(ids) for ids, _ in sides) > seq_len + 1:
             too_long.add(f"{p.where} ({max(len(ids) for ids, _ in sides)} tokens)")
@@ -290,12 +272,8 @@ def make_preference_data(dpo: Any, *, tokenizer_path: str, seq_len: int, batch_s
     renders this process's share of each split and serves shuffled batches of `batch_size` /
     process_count pairs through Grain, so the iterator checkpoints with the run. `batch_size`
     is the global batch in pairs (train.batch_size)."""
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-    if batch_size % process_count:
-        raise ValueError(f"train.batch_size={batch_size} is not divisible by the process count "
-                         f"{process_count}")
-    local_batch = batch_size // process_count
+    process_index, process_count, local_batch = process_share(batch_size, process_index,
+                                                              process_count)
     tok = HFTokenizer(tokenizer_path)
     bad, too_long = BadLines(), BadLines()
     pairs = list(read_pairs(dpo.files, dpo.on_bad_line, bad))

@@ -39,7 +39,7 @@ import dataclasses
 import glob
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -146,25 +146,40 @@ def to_conversation(record: Any) -> Conversation:
 
 
 
-def read_jsonl(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[Conversation]:
-    """Conversations from every file matching `pattern`, in order; a bad line is named by file
-    and line and either skipped (counted in `bad`) or raised."""
+def refuse_or_count(where: str, section: str, what: str, on_bad_line: str, bad: BadLines) -> None:
+    """A malformed line (`where`: "file:line: why"): raised when `<section>.on_bad_line` is
+    "stop", else counted in `bad`."""
+    if on_bad_line == "stop":
+        raise ValueError(f"malformed {what} line {where} ({section}.on_bad_line='skip' skips "
+                         "such lines)")
+    bad.add(where)
+
+
+def read_lines(pattern: str, section: str, what: str, parse: Callable[[Any, str], Any],
+               on_bad_line: str, bad: BadLines) -> Iterator[Any]:
+    """`parse(record, "file:line")` of each JSON line of every file matching `pattern` (the
+    config field `<section>.files`), in order; a line that is not JSON or that `parse` refuses
+    (ValueError) is named by file and line (`refuse_or_count`)."""
     files = sorted(glob.glob(pattern))
     if not files:
-        raise ValueError(f"sft.files={pattern!r} matches no file")
+        raise ValueError(f"{section}.files={pattern!r} matches no file")
     for path in files:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
+                where = f"{path}:{lineno}"
                 try:
-                    yield to_conversation(json.loads(line))
+                    yield parse(json.loads(line), where)
                 except (json.JSONDecodeError, ValueError) as e:
-                    where = f"{path}:{lineno}: {e}"
-                    if on_bad_line == "stop":
-                        raise ValueError(f"malformed SFT line {where} (sft.on_bad_line='skip' "
-                                         "skips such lines)") from e
-                    bad.add(where)
+                    refuse_or_count(f"{where}: {e}", section, what, on_bad_line, bad)
+
+
+def read_jsonl(pattern: str, on_bad_line: str, bad: BadLines) -> Iterator[Conversation]:
+    """Conversations from every file matching `pattern`, in order; a bad line is named by file
+    and line and either skipped (counted in `bad`) or raised."""
+    return read_lines(pattern, "sft", "SFT", lambda record, where: to_conversation(record),
+                      on_bad_line, bad)
 
 
 def read_tfds(name: str, split: str, data_dir: str | None) -> Iterator[Conversation]:
@@ -398,6 +413,18 @@ class SFTData:
             yield batch
 
 
+def process_share(batch_size: int, process_index: int | None, process_count: int | None
+                  ) -> tuple[int, int, int]:
+    """(this process's index, the process count, its rows of the global `batch_size`): the
+    running JAX processes unless given."""
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if batch_size % process_count:
+        raise ValueError(f"train.batch_size={batch_size} is not divisible by the process count "
+                         f"{process_count}")
+    return process_index, process_count, batch_size // process_count
+
+
 def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: int,
                   seed: int, process_index: int | None = None,
                   process_count: int | None = None, task: Any = None) -> SFTData:
@@ -407,12 +434,8 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
     the global batch (train.batch_size). With no `sft.files` or `sft.tfds_name`, the set is
     the reference replies of `task` (the run config's `task` section, llm_jax.data.tasks):
     its first `task.sft_examples` train examples, and its eval split held out."""
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-    if batch_size % process_count:
-        raise ValueError(f"train.batch_size={batch_size} is not divisible by the process count "
-                         f"{process_count}")
-    local_batch = batch_size // process_count
+    process_index, process_count, local_batch = process_share(batch_size, process_index,
+                                                              process_count)
     channels = loss_channels(sft.get("loss_channels", DEFAULT_LOSS_CHANNELS))
     tok = HFTokenizer(tokenizer_path)
     bad = BadLines()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
 import tempfile
 import time
 from typing import Any
@@ -48,7 +47,7 @@ from llm_jax.runtime.peak import peak_flops
 from llm_jax.training import faults, finetune, preference
 from llm_jax.training.metrics import MetricsWriter, read_metrics
 from llm_jax.training.plots import plot_expert_load, plot_losses
-from llm_jax.training.preemption import Interrupted, StopRequest
+from llm_jax.training.preemption import Interrupted, StopRequest, save_and_stop
 from llm_jax.training.rl_loop import train_rl
 from llm_jax.training.run_config import execution_config, rl_enabled, validate_run_config
 from llm_jax.training.step import Steps, compile_steps, make_optimizer
@@ -315,7 +314,9 @@ def _loop(run: Run, stop: StopRequest) -> dict[str, Any]:
                 save(run, done)
         check_pending(run)
         if stop.signum is not None:
-            save_and_stop(run, stop)
+            completed = int(jax.device_get(run.progress.state.step))
+            save_and_stop(stop, completed, run.progress.last_saved, lambda s: save(run, s),
+                          run.ckpt)
     finally:
         bar.close()
     return p.last
@@ -387,16 +388,6 @@ def save(run: Run, step: int) -> None:
     faults.maybe_kill_during_save(step, run.cfg.checkpoint.inject_kill_during_save_at_step)
 
 
-def save_and_stop(run: Run, stop: StopRequest) -> None:
-    """After a stop signal: save the last completed step (unless saved), then `Interrupted`."""
-    completed = int(jax.device_get(run.progress.state.step))
-    if completed != run.progress.last_saved:
-        save(run, completed)
-    run.ckpt.wait()
-    name = "preemption" if stop.preempted else signal.Signals(stop.signum).name
-    raise Interrupted(
-        f"stopped by {name} after step {completed}: checkpoint step {completed} saved in "
-        f"{run.ckpt.directory}; rerun the same command to resume", completed, stop.signum)
 
 
 def finish(run: Run) -> None:

@@ -23,7 +23,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import jax
 from absl import logging
@@ -108,3 +110,19 @@ class StopRequest:
         if signum:
             self.signum = signum
         return bool(signum)
+
+
+def save_and_stop(stop: StopRequest, completed: int, last_saved: int,
+                  save: Callable[[int], None], ckpt: Any, what: str = "step") -> None:
+    """After a stop signal: `save(completed)` unless that step is saved already, wait for the
+    checkpoint to be complete, then raise `Interrupted` naming the signal and the step."""
+    if completed != last_saved:
+        save(completed)
+    ckpt.wait()
+    name = "preemption" if stop.preempted else signal.Signals(stop.signum).name
+    if ckpt.latest_step() is None:  # stopped before a first step completed
+        raise Interrupted(f"stopped by {name} before the first {what} completed: nothing saved "
+                          f"in {ckpt.directory}", completed, stop.signum)
+    raise Interrupted(
+        f"stopped by {name} after {what} {completed}: checkpoint step {completed} saved in "
+        f"{ckpt.directory}; rerun the same command to resume", completed, stop.signum)

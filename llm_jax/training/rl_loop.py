@@ -44,7 +44,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import time
 from typing import Any
 
@@ -69,7 +68,7 @@ from llm_jax.training import faults, finetune
 from llm_jax.training.metrics import MetricsWriter, read_metrics
 from llm_jax.training.plots import plot_rewards
 from llm_jax.training.policy_loss import group_advantages, informative_groups
-from llm_jax.training.preemption import Interrupted, StopRequest
+from llm_jax.training.preemption import Interrupted, StopRequest, save_and_stop
 from llm_jax.training.rewards import parse_rewards, reply_of, score
 from llm_jax.training.rl_step import completion_logprobs, rl_objective
 from llm_jax.training.rollouts import Completion, rl_batch, rollout
@@ -374,7 +373,8 @@ def _loop(run: RLRun, stop: StopRequest) -> dict[str, Any]:
             if done % cfg.checkpoint.every_steps == 0 or done == num_steps:
                 save(run, done)
         if stop.signum is not None:
-            save_and_stop(run, stop)
+            save_and_stop(stop, run.progress.step, run.progress.last_saved,
+                          lambda step: save(run, step), run.ckpt, what="RL step")
     finally:
         bar.close()
     return p.last
@@ -523,16 +523,6 @@ def save(run: RLRun, step: int) -> None:
     faults.maybe_kill_during_save(step, run.cfg.checkpoint.inject_kill_during_save_at_step)
 
 
-def save_and_stop(run: RLRun, stop: StopRequest) -> None:
-    """After a stop signal: save the last completed step (unless saved), then `Interrupted`."""
-    completed = run.progress.step
-    if completed != run.progress.last_saved:
-        save(run, completed)
-    run.ckpt.wait()
-    name = "preemption" if stop.preempted else signal.Signals(stop.signum).name
-    raise Interrupted(
-        f"stopped by {name} after RL step {completed}: checkpoint step {completed} saved in "
-        f"{run.ckpt.directory}; rerun the same command to resume", completed, stop.signum)
 
 
 def finish(run: RLRun) -> None:

@@ -500,3 +500,32 @@ def test_quarantined_workdir_is_not_restarted_from_step_0_unless_asked(small_run
     assert complete_steps(workdir) == [4, 8]
     assert sorted(os.listdir(workdir / "corrupt_checkpoints")) == ["4", "8"]  # still kept
     assert [(r["step"], r["loss"]) for r in read_records(workdir)] == before  # redone, the same
+
+
+def test_a_stop_before_the_first_step_says_nothing_was_saved(tmp_path):
+    """The message after a stop signal names the saved step, or says that none was saved."""
+    from llm_jax.training.preemption import Interrupted, save_and_stop
+
+    class Stop:
+        preempted, signum = False, signal.SIGTERM
+
+    class Ckpt:
+        directory = str(tmp_path)
+
+        def __init__(self, latest):
+            self.latest, self.saved = latest, []
+
+        def wait(self):
+            pass
+
+        def latest_step(self):
+            return self.latest
+
+    fresh = Ckpt(None)
+    with pytest.raises(Interrupted, match="before the first RL step completed: nothing saved"):
+        save_and_stop(Stop(), 0, 0, fresh.saved.append, fresh, what="RL step")
+    assert fresh.saved == []
+    resumed = Ckpt(7)
+    with pytest.raises(Interrupted, match="after step 9: checkpoint step 9 saved") as e:
+        save_and_stop(Stop(), 9, 7, resumed.saved.append, resumed)
+    assert resumed.saved == [9] and e.value.exit_code == 128 + signal.SIGTERM
