@@ -121,6 +121,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             last = _loop(run, stop)
         finally:
             run.ckpt.close()
+            run.writer.close()  # finish reads metrics.jsonl, not the writer
             run.data.train_iter.close()  # stops its prefetch thread and worker processes
         finish(run)
         return last

@@ -55,8 +55,11 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def close(self) -> None:
+        """Stops TensorBoard's writer thread; safe to call again. A run that fails must call it
+        too: else tensorboardX's exit hook starts a thread at interpreter shutdown and fails."""
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def read_metrics_lines(path: str) -> list[str]:

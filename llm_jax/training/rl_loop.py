@@ -89,6 +89,7 @@ def train_rl(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) ->
         last = _loop(run, stop)
     finally:
         run.ckpt.close()
+        run.writer.close()  # finish reads metrics.jsonl, not the writer
     finish(run)
     return last
 
