@@ -23,6 +23,7 @@ import math
 import os
 import tempfile
 import time
+from contextlib import closing
 from typing import Any
 
 import jax
@@ -117,12 +118,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if rl_enabled(cfg):  # RL with verifiable rewards: its own steps (training/rl_loop.py)
             return train_rl(cfg, workdir, stop)
         run = setup(cfg, workdir, stop)
-        try:
+        # Closed whether the run ends or fails: finish reads metrics.jsonl, not the writer, and
+        # closing the data iterator stops its prefetch thread and worker processes.
+        with closing(run.ckpt), closing(run.writer), closing(run.data.train_iter):
             last = _loop(run, stop)
-        finally:
-            run.ckpt.close()
-            run.writer.close()  # finish reads metrics.jsonl, not the writer
-            run.data.train_iter.close()  # stops its prefetch thread and worker processes
         finish(run)
         return last
 

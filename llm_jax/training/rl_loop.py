@@ -45,6 +45,7 @@ import functools
 import json
 import os
 import time
+from contextlib import closing
 from typing import Any
 
 import jax
@@ -85,11 +86,8 @@ def train_rl(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) ->
     the last logged metrics. Raises `Interrupted` after saving when a stop signal arrives,
     RewardError on a failing reward, FloatingPointError on a non-finite update."""
     run = setup(cfg, workdir, stop)
-    try:
+    with closing(run.ckpt), closing(run.writer):  # finish reads metrics.jsonl, not the writer
         last = _loop(run, stop)
-    finally:
-        run.ckpt.close()
-        run.writer.close()  # finish reads metrics.jsonl, not the writer
     finish(run)
     return last
 
