@@ -108,7 +108,7 @@ def serving(ckpt: Path, slots: int, max_len: int, log: Path, *,
         engine.warmup(None if warmup == "all" else engine.prompt_buckets()[:1])
     app = create_app(Server(engine, load_tokenizer(ckpt), ckpt.name))
     port = _free_port()
-    # log_config=None: the test process's logging is left as it is.
+    # log_config=None: this process's logging configuration is left as it is.
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
                                            log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))

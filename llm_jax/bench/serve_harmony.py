@@ -4,17 +4,16 @@
     python -m llm_jax.bench serve_harmony [--repeats 5] [--requests 16] [--new_tokens 128]
 
 Random weights of configs/tiny.py's model with a byte-level BPE tokenizer that holds harmony's
-special tokens (its vocabulary is the model's), saved and served by `python -m llm_jax.serve`
-in a process of its own (slots = requests; --quick: in a thread of this one). Each request is
-a chat whose `tool_choice` names a function, so the prompt ends inside the call's header and
-every generated token is parsed and
-streamed as the call's arguments (random weights would otherwise wander in a message header,
-which streams nothing). The raw contender sends the same prompt ids (rendered here with
-llm_jax/serving/prompts.py) to /v1/completions: the same greedy tokens, decoded by `StopText`
-alone. Every request makes exactly new_tokens (each stream must end with finish_reason
-"length"); throughput = requests x new_tokens / (first byte sent to last event), the two
-contenders alternating, medians. Beside it, the in-process cost per token of building a reply
-(`PlainReply` against `HarmonyReply`, best of repeats), which a loaded host cannot blur.
+special tokens (its vocabulary is the model's), saved and served by `python -m llm_jax.serve` in
+a process of its own (slots = requests; --quick: in a thread of this one). Each request is a
+chat whose `tool_choice` names a function, so the prompt ends inside the call's header and every
+generated token is parsed and streamed as the call's arguments (random weights would otherwise
+wander in a message header, which streams nothing). The raw contender sends the same prompt ids
+(rendered here with llm_jax/serving/prompts.py) to /v1/completions: the same greedy tokens,
+decoded by `StopText` alone. Every request makes exactly new_tokens (each stream must end with
+finish_reason "length"); throughput = requests x new_tokens / (first byte sent to last event),
+the two contenders alternating, medians. Beside it, the in-process cost per token of building a
+reply (`PlainReply` against `HarmonyReply`, best of repeats), which a loaded host cannot blur.
 """
 
 from __future__ import annotations
