@@ -153,9 +153,10 @@ def layers(cfg: ModelConfig, t: int, impls: dict[str, Callable], repeats: int
     return _by_window(fns, temps, repeats)
 
 
-def model(cfg: ModelConfig, t: int, impls: dict[str, Callable], repeats: int
-          ) -> list[dict[str, Any]]:
-    """The 2-layer model's gradient with sliding_window WINDOW and 0, each implementation."""
+def model(cfg: ModelConfig, t: int, impls: dict[str, Callable], repeats: int,
+          attention_free: bool = True) -> list[dict[str, Any]]:
+    """The 2-layer model's gradient with sliding_window WINDOW and 0, each implementation
+    (and, with `attention_free`, the model whose attentions are replaced by their queries)."""
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, t + 1)).astype(np.int32)
     inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
     fns, temps = {}, {}
@@ -169,7 +170,8 @@ def model(cfg: ModelConfig, t: int, impls: dict[str, Callable], repeats: int
 
         # The same model with each attention replaced by its query (window 0 only: no window
         # applies): what the rest of the model costs.
-        free = {"attention_free": lambda q, *args, **kwargs: q} if w == 0 else {}
+        free = ({"attention_free": lambda q, *args, **kwargs: q}
+                if w == 0 and attention_free else {})
         for name, impl in {**impls, **free}.items():
             with _model_attention(impl):
                 fns[name, w], temps[name, w] = _compiled(jax.jit(jax.grad(loss)), params)
@@ -205,7 +207,9 @@ def run(*, repeats: int = 3, quick: bool = False, seq_lens: tuple[int, ...] | No
     if "layers" in parts:
         result["layers"] = layers(cfg, seq_len, impls, repeats)
     if "model" in parts:
-        result["model"] = model(cfg, seq_len, impls, repeats)
+        # --quick: the windowed and the full model; the attention-free one would be a third
+        # compile of the model's gradient, for a figure (the rest's cost) tiny sizes cannot show.
+        result["model"] = model(cfg, seq_len, impls, repeats, attention_free=not quick)
     return result
 
 

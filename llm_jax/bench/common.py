@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +28,7 @@ def load_average() -> list[float]:
 def machine() -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-            "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+            "python": platform.python_version(), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
             "load_average": load_average(), "malloc": active_malloc()}
 
 

@@ -17,6 +17,7 @@ import jax
 
 from llm_jax.bench.common import alternate, machine, median, table
 from llm_jax.bench.train import JaxTrainer, quick_model_config, random_batch, tiny_run_config
+from llm_jax.execution import ExecutionConfig
 from llm_jax.training import finetune
 from llm_jax.training.run_config import execution_config, model_config
 
@@ -28,7 +29,12 @@ def run(*, repeats: int, quick: bool, steps: int, shape: tuple[int, int],
         rank: int) -> dict[str, Any]:
     run_cfg = tiny_run_config()
     run_cfg.execution.moe_dispatch = "blocked"
-    cfg = quick_model_config() if quick else model_config(run_cfg)
+    cfg, execution = model_config(run_cfg), execution_config(run_cfg)
+    if quick:
+        # `bench train --quick`'s model and execution (auto: blocked on CPU): under a
+        # persistent compilation cache (the test suite sets one) the full mode's step is then
+        # that program, loaded instead of compiled again.
+        cfg, execution = quick_model_config(), ExecutionConfig()
     batch_size, seq_len = (2, 16) if quick else shape
     steps, repeats = (1, 1) if quick else (steps, repeats)
     batch = random_batch(cfg.vocab_size, batch_size, seq_len)
@@ -39,7 +45,7 @@ def run(*, repeats: int, quick: bool, steps: int, shape: tuple[int, int],
         lora = run_cfg.lora.copy_and_resolve_references()
         lora.rank, lora.targets = (rank if targets else 0), targets or lora.targets
         trainers[name] = JaxTrainer(cfg, run_cfg.train, batch, model_fn=finetune.model_fn(
-            cfg, lora, 0, execution_config(run_cfg)), trainable=finetune.trainable(lora))
+            cfg, lora, 0, execution), trainable=finetune.trainable(lora))
     times = alternate({n: (lambda t=t: t(steps)) for n, t in trainers.items()}, repeats=repeats)
     rows = []
     for name, t in trainers.items():

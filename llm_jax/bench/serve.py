@@ -5,8 +5,9 @@ latency of a short request that arrives while long ones run.
         [--min_prompt 16] [--max_prompt 256]
 
 Random weights of configs/tiny.py's model, saved and served by `python -m llm_jax.serve` in a
-process of its own (slots = requests, max_len as `sample` would size its cache), the client a
-bare asyncio HTTP/1.1 reader in this process (it shares the cores: no JSON parsing). Throughput:
+process of its own (slots = requests, max_len as `sample` would size its cache; --quick: the
+same app in a thread of this one), the client a bare asyncio HTTP/1.1 reader in this process
+(it shares the cores: no JSON parsing). Throughput:
 `requests` streaming greedy completions of mixed prompt lengths (token-id prompts, no EOS, so
 each makes exactly new_tokens), all sent at once; aggregate tokens/s end to end (first byte sent
 to last token) and in the steady window (every request streaming, from the last first token to
@@ -20,14 +21,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +55,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(ckpt: Path, slots: int, max_len: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(ckpt: Path, slots: int, max_len: int, log: Path,
+                 warmup: str = "all") -> tuple[subprocess.Popen, str]:
+    """`python -m llm_jax.serve` on `ckpt` in a process of its own, once it answers /health.
+    `warmup` is the server's --warmup."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "llm_jax.serve", "--checkpoint", str(ckpt), "--port", str(port),
          "--slots", str(slots), "--max_len", str(max_len), "--max_queue", str(4 * slots),
-         "--log_level", "warning"], stdout=log.open("w"), stderr=subprocess.STDOUT,
+         "--warmup", warmup, "--log_level", "warning"], stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -69,6 +77,54 @@ def start_server(ckpt: Path, slots: int, max_len: int, log: Path) -> tuple[subpr
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"the server did not start:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def serving(ckpt: Path, slots: int, max_len: int, log: Path, *,
+            quick: bool = False, warmup: str = "all") -> Iterator[str]:
+    """The URL of a server on `ckpt` while it runs: `start_server`'s process, or with `quick`
+    the same app (`serving.app.create_app`) under uvicorn in a thread of this process, which
+    saves the process's start-up (Python, JAX and the server's imports) where only the
+    wiring is measured; `warmup` as the server's --warmup."""
+    if not quick:
+        proc, url = start_server(ckpt, slots, max_len, log, warmup)
+        try:
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        return
+    import uvicorn
+
+    from llm_jax.inference.engine import Engine
+    from llm_jax.inference.requests import EngineConfig
+    from llm_jax.inference.tokenizer import load_tokenizer
+    from llm_jax.serving.app import Server, create_app
+    from llm_jax.weights.readers import load_pretrained
+
+    engine = Engine(load_pretrained(ckpt), EngineConfig(slots=slots, max_len=max_len,
+                                                        max_queue=4 * slots))
+    if warmup != "none":
+        engine.warmup(None if warmup == "all" else engine.prompt_buckets()[:1])
+    app = create_app(Server(engine, load_tokenizer(ckpt), ckpt.name))
+    port = _free_port()
+    # log_config=None: this process's logging configuration is left as it is.
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
+                                           log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="bench-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
 
 
 async def _stream(url: str, prompt: list[int], new_tokens: int,
@@ -187,15 +243,14 @@ def run(*, repeats: int = 3, quick: bool = False, requests: int = 32, new_tokens
     ref = _sample_times(model, prompts, new_tokens, repeats)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = save_llm_jax(model, Path(tmp) / "tiny")
-        proc, url = start_server(ckpt, requests, max_len, Path(tmp) / "log")
-        try:
+        # --quick: every prompt, and the latency probe's, is in the first bucket (16), whose
+        # programs the short warm-up compiles; the others would never run.
+        with serving(ckpt, requests, max_len, Path(tmp) / "log", quick=quick,
+                     warmup="short" if quick else "all") as url:
             asyncio.run(_load(url, prompts, new_tokens))  # compiles every prompt bucket
             loads = [asyncio.run(_load(url, prompts, new_tokens)) for _ in range(repeats)]
             latency = asyncio.run(_latency(url, short, prompts[:requests - 1], new_tokens,
                                            tries=3 if quick else max(11, repeats)))
-        finally:
-            proc.terminate()
-            proc.wait(60)
     server = {k: median([x[k] for x in loads]) for k in
               ("total_s", "tokens_per_s", "steady_tokens_per_s", "first_token_s")}
     return {"benchmark": "serve", "machine": machine(), "config": cfg.to_dict(),

@@ -4,16 +4,16 @@
     python -m llm_jax.bench serve_harmony [--repeats 5] [--requests 16] [--new_tokens 128]
 
 Random weights of configs/tiny.py's model with a byte-level BPE tokenizer that holds harmony's
-special tokens (its vocabulary is the model's), saved and served by `python -m llm_jax.serve`
-in a process of its own (slots = requests). Each request is a chat whose `tool_choice` names a
-function, so the prompt ends inside the call's header and every generated token is parsed and
-streamed as the call's arguments (random weights would otherwise wander in a message header,
-which streams nothing). The raw contender sends the same prompt ids (rendered here with
-llm_jax/serving/prompts.py) to /v1/completions: the same greedy tokens, decoded by `StopText`
-alone. Every request makes exactly new_tokens (each stream must end with finish_reason
-"length"); throughput = requests x new_tokens / (first byte sent to last event), the two
-contenders alternating, medians. Beside it, the in-process cost per token of building a reply
-(`PlainReply` against `HarmonyReply`, best of repeats), which a loaded host cannot blur.
+special tokens (its vocabulary is the model's), saved and served by `python -m llm_jax.serve` in
+a process of its own (slots = requests; --quick: in a thread of this one). Each request is a
+chat whose `tool_choice` names a function, so the prompt ends inside the call's header and every
+generated token is parsed and streamed as the call's arguments (random weights would otherwise
+wander in a message header, which streams nothing). The raw contender sends the same prompt ids
+(rendered here with llm_jax/serving/prompts.py) to /v1/completions: the same greedy tokens,
+decoded by `StopText` alone. Every request makes exactly new_tokens (each stream must end with
+finish_reason "length"); throughput = requests x new_tokens / (first byte sent to last event),
+the two contenders alternating, medians. Beside it, the in-process cost per token of building a
+reply (`PlainReply` against `HarmonyReply`, best of repeats), which a loaded host cannot blur.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_jax.bench.common import machine, median, table
-from llm_jax.bench.serve import start_server
+from llm_jax.bench.serve import serving
 from llm_jax.bench.train import quick_model_config, tiny_run_config
 from llm_jax.data import harmony
 from llm_jax.inference.loop import bucket
@@ -134,17 +134,15 @@ def run(*, repeats: int = 5, quick: bool = False, requests: int = 16,
                   for m in chats]
         raw = [{"prompt": p, **common} for p in prompts]
         max_len = bucket(max(map(len, prompts))) + bucket(new_tokens)
-        proc, url = start_server(ckpt, requests, max_len, Path(tmp) / "log")
-        try:
+        # --quick: no warm-up; the untimed first load compiles the one prompt bucket it uses.
+        with serving(ckpt, requests, max_len, Path(tmp) / "log", quick=quick,
+                     warmup="none" if quick else "all") as url:
             asyncio.run(_load(url, "/v1/completions", raw, new_tokens))  # compiles
             runs: dict[str, list[float]] = {"parsed": [], "raw": []}
             for _ in range(repeats):
                 runs["raw"].append(asyncio.run(_load(url, "/v1/completions", raw, new_tokens)))
                 runs["parsed"].append(asyncio.run(_load(url, "/v1/chat/completions", parsed,
                                                         new_tokens)))
-        finally:
-            proc.terminate()
-            proc.wait(60)
     result = {k: median(v) for k, v in runs.items()}
     return {"benchmark": "serve_harmony", "machine": machine(), "config": cfg.to_dict(),
             "requests": requests, "new_tokens": new_tokens, "repeats": repeats,

@@ -32,10 +32,10 @@ def _child(python: str, args: list[str], out: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def _versions(python: str) -> str:
-    code = "import sys, jax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}')"
-    return subprocess.run([python, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip()
+def _versions(result: dict[str, Any]) -> str:
+    """The Python and jax versions a child ran, from the machine description in its JSON."""
+    m = result["machine"]
+    return f"Python {m['python']}, jax {m['jax']}"
 
 
 def run(*, pythons: list[str], repeats: int = 3, quick: bool = False, shape: str = "8x256",
@@ -48,15 +48,17 @@ def run(*, pythons: list[str], repeats: int = 3, quick: bool = False, shape: str
         repeats, train_args, decode_args = 1, train_args + ["--quick"], decode_args + ["--quick"]
     got: dict[str, dict[str, list[float]]] = {p: {"step_s_runs": [], "decode_tok_s_runs": []}
                                               for p in pythons}
+    versions: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
             for k, p in enumerate(pythons):
                 t = _child(p, train_args, Path(d) / f"train_{k}_{i}.json")
                 got[p]["step_s_runs"].append(t["rows"][0]["llm_jax"]["step_s"])
+                versions[p] = _versions(t)
                 g = _child(p, decode_args, Path(d) / f"decode_{k}_{i}.json")
                 decode = g["decode"][0]["llm_jax"]["decode_tokens_per_s"]
                 got[p]["decode_tok_s_runs"].append(decode)
-    stacks = [{"python": p, "versions": _versions(p), "step_s": median(got[p]["step_s_runs"]),
+    stacks = [{"python": p, "versions": versions[p], "step_s": median(got[p]["step_s_runs"]),
                "decode_tokens_per_s": median(got[p]["decode_tok_s_runs"]), **got[p]}
               for p in pythons]
     return {"benchmark": "stacks", "machine": machine(), "repeats": repeats,

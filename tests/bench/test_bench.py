@@ -74,7 +74,8 @@ def test_bench_quick_writes_json_with_expected_keys(command, tmp_path, capsys):
     assert main([command, "--quick", "--json_out", str(out), *EXTRA_ARGS.get(command, [])]) == 0
     r = json.loads(out.read_text())
     assert r["benchmark"] == command
-    assert {"date", "cpu_model", "cpu_count", "load_average", "malloc"} <= set(r["machine"])
+    assert {"date", "cpu_model", "cpu_count", "python", "jax", "load_average", "malloc"} <= set(
+        r["machine"])
     assert EXPECTED[command](r), r
     assert "|" in capsys.readouterr().out  # printed its table
 
