@@ -68,9 +68,9 @@ def test_the_router_gets_its_gradient_through_the_replayed_gates(moe_and_input):
     def objective(router):
         m = nnx.clone(moe)
         m.router[...] = router
-        return jnp.sum(m(x, experts_BTk=others[None])[0] * c)
+        return jnp.sum(m(x, experts_BTk=jnp.asarray(others)[None])[0] * c)
 
-    grad = np.asarray(jax.grad(objective)(moe.router[...]))
+    grad = np.asarray(jax.jit(jax.grad(objective))(moe.router[...]))
     p = {k: np.asarray(v[...], np.float64) for k, v in nnx.state(moe, nnx.Param).items()}
     assert np.abs(grad).max() > 1e-3
     for i, j in [(0, 0), (3, 1), (CFG.hidden_size - 1, E - 1)]:
