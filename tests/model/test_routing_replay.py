@@ -91,20 +91,21 @@ def test_replaying_a_models_own_routing_gives_the_same_logits_scanned_or_with_a_
     logits, aux = nnx.jit(lambda m, t: m(t, return_aux=True))(model, tokens)
     recorded = jnp.moveaxis(aux.experts, 0, 2)  # [L, B, T, k] -> [B, T, L, k]
     assert recorded.shape == (2, 9, CFG.num_hidden_layers, K)
-    replayed = nnx.jit(lambda m, t, e: m(t, experts_BTLk=e))(model, tokens, recorded)
+    replay = nnx.jit(lambda m, t, e: m(t, experts_BTLk=e))
+    replayed = replay(model, tokens, recorded)
     np.testing.assert_array_equal(replayed, logits)
     # prefill with a cache (the layers as a Python loop): the same routing recorded and replayed
     def prefill(m, t, e):
         h, aux, _ = m.hidden_states(t, cache=init_cache(CFG, 2, 16, "float32"), experts_BTLk=e)
         return h, aux.experts
 
-    h, experts = nnx.jit(prefill)(model, tokens, None)
+    prefill = nnx.jit(prefill)
+    h, experts = prefill(model, tokens, None)
     np.testing.assert_array_equal(jnp.moveaxis(experts, 0, 2), recorded)
-    np.testing.assert_array_equal(nnx.jit(prefill)(model, tokens, recorded)[0], h)
+    np.testing.assert_array_equal(prefill(model, tokens, recorded)[0], h)
     # a routing that differs changes the function: replay is really used
     shifted = (recorded + 1) % E
-    assert not np.allclose(nnx.jit(lambda m, t, e: m(t, experts_BTLk=e))(model, tokens, shifted),
-                           logits)
+    assert not np.allclose(replay(model, tokens, shifted), logits)
 
 
 def test_a_replay_of_the_wrong_shape_is_refused():
