@@ -380,3 +380,21 @@ def start_server(args: list[str], log: Path):
         proc.kill()
     out.close()
 
+
+
+# ------------------------------------------- grouped_matmul's contract in plain JAX (model tests)
+
+def ragged_dot_grouped_matmul(x_MK, w_EKN, sizes_E, *, kernel=None, interpret=False, tile=None,
+                              group_offset=None):
+    """What `kernels.grouped_matmul.grouped_matmul` computes, by `lax.ragged_dot`: with a
+    `group_offset` o, `w_EKN` holds groups o .. o + n - 1 and every other row is zero. The
+    kernels are held to this in interpret mode by tests/kernels/test_grouped_matmul.py; model
+    tests that check what surrounds a kernel (column layouts, unpacking a group of experts at a
+    time) monkeypatch it in for the kernel, which one wiring test per dispatch still runs
+    (tests/model/test_moe.py)."""
+    import jax.numpy as jnp
+
+    if group_offset is not None:
+        full = jnp.zeros((sizes_E.shape[0], *w_EKN.shape[1:]), w_EKN.dtype)
+        w_EKN = jax.lax.dynamic_update_slice_in_dim(full, w_EKN, group_offset, 0)
+    return jax.lax.ragged_dot(x_MK, w_EKN, sizes_E)

@@ -27,26 +27,28 @@ def _case(m, k, n, sizes, seed=0, dtype=jnp.float32):
     return x, w, jnp.asarray(sizes, jnp.int32), jnp.asarray(r.normal(size=(m, n)), dtype)
 
 
-# (M, K, N, group sizes): groups straddling the row tiles, empty groups (first, middle, last),
-# rows past sum(sizes) (zero, as ragged_dot), K and N that no power-of-two tile divides
-# (zero-padded); one group holding every row; no rows at all.
+# (M, K, N): [group sizes, ...], each shape one compiled program (the sizes are its argument):
+# groups straddling the row tiles, empty groups (first, middle, last), rows past sum(sizes)
+# (zero, as ragged_dot), K and N that no power-of-two tile divides (zero-padded); no rows at
+# all; one group holding every row, K and N whole tiles.
 CASES = [
-    (200, 96, 40, [0, 63, 0, 64, 65, 1, 0]),
-    (130, 64, 64, [130, 0]),
-    (48, 16, 16, [0, 0, 0]),
+    ((200, 96, 40), [[0, 63, 0, 64, 65, 1, 0], [0, 0, 0, 0, 0, 0, 0]]),
+    ((130, 64, 64), [[130, 0]]),
 ]
 
 
-@pytest.mark.parametrize("m,k,n,sizes", CASES)
-def test_matches_ragged_dot(m, k, n, sizes):
-    x, w, gs, dout = _case(m, k, n, sizes)
-    want, pull = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs), x, w)
-    got, pull_got = jax.jit(lambda a, b: jax.vjp(lambda a, b: gmm(a, b, gs, interpret=True),
-                                                 a, b))(x, w)
-    for name, a, g in zip(("out", "dlhs", "drhs"), (want, *pull(dout)), (got, *pull_got(dout))):
-        assert a.shape == g.shape and a.dtype == g.dtype, name
-        err = float(jnp.max(jnp.abs(a - g)))
-        assert err < TOL * max(1.0, float(jnp.max(jnp.abs(a)))), (name, err)
+@pytest.mark.parametrize("shape,all_sizes", CASES)
+def test_matches_ragged_dot(shape, all_sizes):
+    run = jax.jit(lambda a, b, gs: jax.vjp(lambda a, b: gmm(a, b, gs, interpret=True), a, b))
+    for sizes in all_sizes:
+        x, w, gs, dout = _case(*shape, sizes)
+        want, pull = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs), x, w)
+        got, pull_got = run(x, w, gs)
+        for name, a, g in zip(("out", "dlhs", "drhs"), (want, *pull(dout)),
+                              (got, *pull_got(dout))):
+            assert a.shape == g.shape and a.dtype == g.dtype, (sizes, name)
+            err = float(jnp.max(jnp.abs(a - g)))
+            assert err < TOL * max(1.0, float(jnp.max(jnp.abs(a)))), (sizes, name, err)
 
 
 def test_bfloat16_accumulates_in_float32():

@@ -10,6 +10,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.execution import ExecutionConfig
 from llm_jax.kernels.splash_attention import index_positions
 from llm_jax.model import init_model
+from llm_jax.model.attention import ATTENTIONS, MaskInputs
 
 SMALL = ModelConfig(num_hidden_layers=2, num_experts=4, experts_per_token=2, vocab_size=97,
                     hidden_size=32, intermediate_size=16, head_dim=8, num_attention_heads=4,
@@ -65,10 +66,20 @@ def test_index_positions():
 @pytest.mark.slow
 def test_splash_trains_in_bfloat16():
     """The float32 sinks get a float32 gradient from splash's bf16 backward (the position check's
-    cond needs both branches to agree on it)."""
-    cfg = SMALL.replace(dtype="bfloat16", num_hidden_layers=1,
-                        sliding_window=0)  # one splash kernel: interpret mode is slow
-    g, p = nnx.split(init_model(cfg, seed=0, execution=_execution("splash")))
-    tokens = jnp.zeros((1, 128), jnp.int32)
-    grads = jax.jit(jax.grad(lambda p: nnx.merge(g, p)(tokens).astype(jnp.float32).mean()))(p)
-    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(grads))
+    cond needs both branches to agree on it): the model's splash attention (`ATTENTIONS`, the
+    cond and its fallback) on the bf16 q, k, v a bf16 model computes, one splash kernel."""
+    cfg = SMALL.replace(dtype="bfloat16", num_hidden_layers=1, sliding_window=0)
+    r = jax.random.split(jax.random.key(0), 4)
+    b, t, n, kv, h = 1, 128, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = jax.random.normal(r[0], (b, t, n, h), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (b, t, kv, h), jnp.bfloat16) for x in r[1:3])
+    sinks = jax.random.normal(r[3], (n,), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+
+    def loss(q, k, v, sinks, window):  # the window traced, as the scanned layers pass it
+        mask = MaskInputs(pos, pos, window, None, None)
+        return ATTENTIONS["splash"](q, k, v, sinks, mask, cfg).astype(jnp.float32).mean()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks, jnp.int32(0))
+    assert [g.dtype for g in grads] == [jnp.bfloat16] * 3 + [jnp.float32]
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)

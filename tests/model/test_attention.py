@@ -104,9 +104,11 @@ def test_attention_module_shapes_and_window_changes_output():
     attn = Attention(cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (2, 10, 32))
     pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
-    y_full, no_cache = attn(x, pos, 0)
+    # One compiled program, the window its argument (as the scanned layers pass it).
+    run = nnx.jit(lambda attn, x, window: attn(x, pos, window))
+    y_full, no_cache = run(attn, x, jnp.int32(0))
     assert no_cache is None
-    y_win, _ = attn(x, pos, 3)
+    y_win, _ = run(attn, x, jnp.int32(3))
     assert y_full.shape == (2, 10, 32)
     np.testing.assert_allclose(y_full[:, :3], y_win[:, :3], rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(y_full[:, 5:] - y_win[:, 5:]).max()) > 1e-4

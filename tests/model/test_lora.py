@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import ragged_dot_grouped_matmul
 
 from llm_jax.config import ModelConfig
 from llm_jax.execution import ExecutionConfig
@@ -23,8 +24,10 @@ PACKED = ModelConfig(num_hidden_layers=1, num_experts=4, experts_per_token=2, vo
                      expert_format="mxfp4")
 NO_DROP = ExecutionConfig(moe_capacity_factor=4.0)  # E / k: nothing dropped
 RANK, ALPHA = 4, 8.0
-# The dispatches a LoRA adapter is tested through; gmm runs its Pallas kernel in interpret mode
-# on CPU, expert_parallel without a mesh runs its local path.
+# The dispatches a LoRA adapter is tested through; expert_parallel without a mesh runs its local
+# path; gmm (whose adapter `dense` adds into what it unpacks) with its kernel's plain-JAX contract
+# in its place (`ragged_dot_grouped_matmul`; the kernel in interpret mode: tests/kernels, and
+# through the gmm dispatch: test_moe.py).
 DISPATCHES = ["dense", "ragged", "gather", "blocked", "capacity", "expert_parallel", "gmm"]
 BITWISE_AT_STEP_0 = ("dense", "ragged", "expert_parallel", "gmm")  # measured on CPU
 
@@ -98,7 +101,10 @@ def dequantized_reference():
 
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_adapter_gradients_over_packed_experts_equal_those_over_the_dequantized_base(
-        dispatch, dequantized_reference):
+        dispatch, dequantized_reference, monkeypatch):
+    import llm_jax.model.moe_parallel as moe_parallel
+
+    monkeypatch.setattr(moe_parallel, "grouped_matmul", ragged_dot_grouped_matmul)
     tokens, want = dequantized_reference
     got = _adapter_grads(_qlora(PACKED, NO_DROP.replace(moe_dispatch=dispatch)), tokens)
     assert sorted(got) == sorted(want) and len(got) == 2 * len(TARGETS)

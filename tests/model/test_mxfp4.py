@@ -1,8 +1,8 @@
 """MXFP4 experts kept packed: the in-model unpacking equals the host's dequantization bit for bit,
 the quantizer is round-to-nearest (ties to even) and leaves MXFP4 values unchanged, and a packed
-MoE layer equals the same layer with dequantized weights for every dispatch of the table
-(outputs and input gradients within 1e-6 in float32: E2M1 times a power of two is exact, so only
-the summation order may differ), experts_per_token > 2 included."""
+MoE layer with every dispatch of the table equals the layer with dequantized weights (outputs and
+input gradients within 1e-6 in float32: E2M1 times a power of two is exact, so only the summation
+order may differ), experts_per_token > 2 included."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import ragged_dot_grouped_matmul
 
 from llm_jax.config import ModelConfig
 from llm_jax.execution import ExecutionConfig
@@ -156,71 +157,101 @@ def _assert_close(got, want):
                                atol=1e-6 * (1 + float(jnp.max(jnp.abs(want)))))
 
 
-@pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
-def test_packed_layer_equals_dequantized_layer_outputs_and_input_gradients(dispatch):
-    # Capacity factor E / k: C = T slots, so the dropping dispatches drop nothing either. One
-    # k > 2 for every dispatch (k = 2 over packed experts: test_lora, test_packed_model).
-    k = 3
-    cfg = dataclasses.replace(CFG, experts_per_token=k)
-    ex = ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=CFG.num_experts / k)
-    packed, dense_layer = _layers(cfg, seed=k)
-    x = jax.random.normal(jax.random.key(k), (2, 12, cfg.hidden_size))
+K = 3  # one k > 2 for every dispatch (k = 2 over packed experts: test_lora, test_packed_model)
+
+
+@pytest.fixture(scope="module")
+def layer_reference():
+    """The packed layer (k = K), its input and cotangent, and the reference: the layer with its
+    experts dequantized on the host, run by the dense dispatch (outputs, input gradients), once
+    for every dispatch below. Measured: each dispatch over the packed experts equals the same
+    dispatch over the dequantized ones bit for bit, and the dense one within a third of the
+    tolerance."""
+    cfg = dataclasses.replace(CFG, experts_per_token=K)
+    packed, dense_layer = _layers(cfg, seed=K)
+    x = jax.random.normal(jax.random.key(K), (2, 12, cfg.hidden_size))
     ct = jax.random.normal(jax.random.key(7), x.shape)
-    y_p, drop_p, gx_p = _outputs_and_input_grads(packed, x, ct, ex)
-    y_d, drop_d, gx_d = _outputs_and_input_grads(dense_layer, x, ct, ex)
     h = np.einsum("td,edf->tef", np.asarray(x).reshape(24, -1), dense_layer.gate_up_proj[...])
     assert (np.abs(h[..., 0::2]) > 7).any()  # the clamp is in play
-    assert float(drop_p) == float(drop_d) == 0.0
+    y_d, drop_d, gx_d = _outputs_and_input_grads(dense_layer, x, ct,
+                                                 ExecutionConfig(moe_dispatch="dense"))
+    assert float(drop_d) == 0.0
+    return packed, x, ct, y_d, gx_d
+
+
+@pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
+def test_packed_layer_equals_dequantized_layer_outputs_and_input_gradients(dispatch,
+                                                                           layer_reference):
+    # Capacity factor E / k: C = T slots, so the dropping dispatches drop nothing either.
+    packed, x, ct, y_d, gx_d = layer_reference
+    ex = ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=CFG.num_experts / K)
+    y_p, drop_p, gx_p = _outputs_and_input_grads(packed, x, ct, ex)
+    assert float(drop_p) == 0.0
     _assert_close(y_p, y_d)
     _assert_close(gx_p, gx_d)
 
 
-def _packed_lowered(cfg: ModelConfig, execution: ExecutionConfig, seed: int, *,
-                    check_values: bool = True) -> tuple[MoE, str]:
-    """The packed layer and the text of its lowered forward pass on a [2, 20] batch; with
-    `check_values`, also asserts its outputs and input gradients equal the dequantized layer's."""
-    packed, dense_layer = _layers(cfg, seed=seed)
-    x = jax.random.normal(jax.random.key(seed), (2, 20, cfg.hidden_size))
-    if check_values:
-        ct = jax.random.normal(jax.random.key(seed + 1), x.shape)
-        y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct, execution)
-        y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct, execution)
-        _assert_close(y_p, y_d)
-        _assert_close(gx_p, gx_d)
+def _lowered(packed: MoE, x: jax.Array, execution: ExecutionConfig) -> str:
+    """The text of the packed layer's lowered forward pass on `x`."""
     graphdef, state = nnx.split(packed)
     forward = jax.jit(lambda x, s: nnx.merge(graphdef, s)(x, execution=execution)[0])
-    return packed, forward.lower(x, state).as_text()
+    return forward.lower(x, state).as_text()
 
 
-def test_kernel_dispatches_unpack_a_group_of_experts_at_a_time():
+def _assert_equals_dequantized(packed: MoE, dense_layer: MoE, x: jax.Array,
+                               executions: list[ExecutionConfig], seed: int) -> None:
+    """The packed layer's outputs and input gradients under each of `executions` equal the
+    dequantized layer's, computed once (these executions differ only in how packed stacks are
+    unpacked, which a dense stack does not do)."""
+    ct = jax.random.normal(jax.random.key(seed + 1), x.shape)
+    y_d, _, gx_d = _outputs_and_input_grads(dense_layer, x, ct, executions[0])
+    for execution in executions:
+        y_p, _, gx_p = _outputs_and_input_grads(packed, x, ct, execution)
+        _assert_close(y_p, y_d)
+        _assert_close(gx_p, gx_d)
+
+
+def test_kernel_dispatches_unpack_a_group_of_experts_at_a_time(monkeypatch):
     # 512 x 512 float32 gate-up experts are 1 MiB each, the 256 x 512 down ones 0.5 MiB: with
     # 1 MiB groups the gate-up stack is unpacked one expert at a time, the down stack two at a
     # time, and the layer still equals the dequantized one. Both kernel dispatches unpack through
-    # `grouped_experts`: the values are checked through gmm (the kernel in interpret mode at
-    # these sizes is slow; each dispatch's values at small sizes: the layer test above), the
-    # groups in both lowered programs.
+    # `grouped_experts`: the groups are checked in both lowered programs (with the kernel), the
+    # values through gmm with the kernel's plain-JAX contract in its place
+    # (`ragged_dot_grouped_matmul`: the kernel with group offsets against it, tests/kernels;
+    # each dispatch with its kernel at small sizes: the layer test above).
+    import llm_jax.model.moe_parallel as moe_parallel
+
     cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=256, experts_per_token=3)
-    for dispatch in ("gmm", "expert_parallel_gmm"):
-        ex = ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=8 / 3,
-                             mxfp4_unpack_mib=1)
-        packed, text = _packed_lowered(cfg, ex, seed=5, check_values=dispatch == "gmm")
+    packed, dense_layer = _layers(cfg, seed=5)
+    x = jax.random.normal(jax.random.key(5), (2, 20, cfg.hidden_size))
+    ex = {dispatch: ExecutionConfig(moe_dispatch=dispatch, moe_capacity_factor=8 / 3,
+                                    mxfp4_unpack_mib=1)
+          for dispatch in ("gmm", "expert_parallel_gmm")}
+    for dispatch, execution in ex.items():
+        text = _lowered(packed, x, execution)
         assert "1x512x512xf32" in text and "2x256x512xf32" in text, dispatch
         assert "8x512x512xf32" not in text and "8x256x512xf32" not in text, dispatch
     assert experts_per_unpack(packed.expert_weights().gate_up_EDF2, 0) == 8  # 0: all at once
     assert experts_per_unpack(packed.expert_weights().gate_up_EDF2, 3) == 2  # divides E = 8
+    monkeypatch.setattr(moe_parallel, "grouped_matmul", ragged_dot_grouped_matmul)
+    _assert_equals_dequantized(packed, dense_layer, x, [ex["gmm"]], seed=5)
 
 
-@pytest.mark.parametrize("unpack_mib", [0, 12, 2])
-def test_blocked_unpacks_a_stack_that_fits_once_and_a_larger_one_block_by_block(unpack_mib):
+def test_blocked_unpacks_a_stack_that_fits_once_and_a_larger_one_block_by_block():
     # 8 experts of 512 x 1024 float32 (gate-up, 16 MiB in all) and 512 x 512 (down, 8 MiB):
     # with no limit or 12 MiB, a stack that fits is unpacked whole before the blocks; past the
-    # limit, each block unpacks its one expert. The layer equals the dequantized one either way
-    # (values checked for the two ends, where both stacks are unpacked one way; 12 MiB mixes them).
+    # limit (2 MiB), each block unpacks its one expert. The layer equals the dequantized one
+    # either way (values checked for the two ends, where both stacks are unpacked one way; 12 MiB
+    # mixes them).
     cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=512, experts_per_token=3)
-    ex = ExecutionConfig(moe_dispatch="blocked", mxfp4_unpack_mib=unpack_mib)
-    _, text = _packed_lowered(cfg, ex, seed=4, check_values=unpack_mib != 12)
-    assert ("8x512x1024xf32" in text) == (unpack_mib == 0)
-    assert ("8x512x512xf32" in text) == (unpack_mib in (0, 12))
+    packed, dense_layer = _layers(cfg, seed=4)
+    x = jax.random.normal(jax.random.key(4), (2, 20, cfg.hidden_size))
+    ex = {mib: ExecutionConfig(moe_dispatch="blocked", mxfp4_unpack_mib=mib) for mib in (0, 12, 2)}
+    for unpack_mib, execution in ex.items():
+        text = _lowered(packed, x, execution)
+        assert ("8x512x1024xf32" in text) == (unpack_mib == 0), unpack_mib
+        assert ("8x512x512xf32" in text) == (unpack_mib in (0, 12)), unpack_mib
+    _assert_equals_dequantized(packed, dense_layer, x, [ex[0], ex[2]], seed=4)
 
 
 def test_gather_unpacks_only_the_chosen_experts():

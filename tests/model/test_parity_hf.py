@@ -37,9 +37,10 @@ from llm_jax.weights.writers import save_hf  # noqa: E402
 
 TOL = 1e-4
 LIMIT = 7.0
-# "auto" is what a user gets with no arguments. "capacity" keeps its default factor 1.25, which
-# drops assignments in training: outside training the loaded model must still be exact.
-DISPATCHES = ("auto", "dense", "ragged", "blocked", "capacity")
+# "capacity" keeps its default factor 1.25, which drops assignments in training: outside
+# training the loaded model must still be exact. "auto", what a user gets with no arguments:
+# the OpenAI checkpoint's test (the model read is the same).
+DISPATCHES = ("dense", "ragged", "blocked", "capacity")
 
 _COMMON = dict(
     num_local_experts=8, num_experts_per_tok=2, vocab_size=256, hidden_size=64,
@@ -244,12 +245,13 @@ def _write_openai(root, tensors: dict[str, np.ndarray], config: dict) -> None:
     (orig / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("dispatch", ["auto", "dense", "capacity"])
-def test_openai_checkpoint_logits_match_transformers(ref, dispatch, tmp_path):
+def test_openai_checkpoint_logits_match_transformers(ref, tmp_path):
+    """The OpenAI reader, with the default dispatch (each dispatch: the HF checkpoint above;
+    the model read is the same whichever dispatch runs it)."""
     tensors = _openai_tensors(ref.state, ref.hf_kwargs["num_hidden_layers"])
     _write_openai(tmp_path, tensors, _openai_config(ref))
-    ours = _ours(tmp_path, ref.tokens, **_dispatch_kw(ref, dispatch))
-    _check(f"openai/{ref.name}/{dispatch}", ours, ref.logits)
+    ours = _ours(tmp_path, ref.tokens)
+    _check(f"openai/{ref.name}/auto", ours, ref.logits)
 
 
 # ---------------------------------------------------------------------- MXFP4

@@ -68,9 +68,9 @@ def test_the_router_gets_its_gradient_through_the_replayed_gates(moe_and_input):
     def objective(router):
         m = nnx.clone(moe)
         m.router[...] = router
-        return jnp.sum(m(x, experts_BTk=others[None])[0] * c)
+        return jnp.sum(m(x, experts_BTk=jnp.asarray(others)[None])[0] * c)
 
-    grad = np.asarray(jax.grad(objective)(moe.router[...]))
+    grad = np.asarray(jax.jit(jax.grad(objective))(moe.router[...]))
     p = {k: np.asarray(v[...], np.float64) for k, v in nnx.state(moe, nnx.Param).items()}
     assert np.abs(grad).max() > 1e-3
     for i, j in [(0, 0), (3, 1), (CFG.hidden_size - 1, E - 1)]:
@@ -91,20 +91,21 @@ def test_replaying_a_models_own_routing_gives_the_same_logits_scanned_or_with_a_
     logits, aux = nnx.jit(lambda m, t: m(t, return_aux=True))(model, tokens)
     recorded = jnp.moveaxis(aux.experts, 0, 2)  # [L, B, T, k] -> [B, T, L, k]
     assert recorded.shape == (2, 9, CFG.num_hidden_layers, K)
-    replayed = nnx.jit(lambda m, t, e: m(t, experts_BTLk=e))(model, tokens, recorded)
+    replay = nnx.jit(lambda m, t, e: m(t, experts_BTLk=e))
+    replayed = replay(model, tokens, recorded)
     np.testing.assert_array_equal(replayed, logits)
     # prefill with a cache (the layers as a Python loop): the same routing recorded and replayed
     def prefill(m, t, e):
         h, aux, _ = m.hidden_states(t, cache=init_cache(CFG, 2, 16, "float32"), experts_BTLk=e)
         return h, aux.experts
 
-    h, experts = nnx.jit(prefill)(model, tokens, None)
+    prefill = nnx.jit(prefill)
+    h, experts = prefill(model, tokens, None)
     np.testing.assert_array_equal(jnp.moveaxis(experts, 0, 2), recorded)
-    np.testing.assert_array_equal(nnx.jit(prefill)(model, tokens, recorded)[0], h)
+    np.testing.assert_array_equal(prefill(model, tokens, recorded)[0], h)
     # a routing that differs changes the function: replay is really used
     shifted = (recorded + 1) % E
-    assert not np.allclose(nnx.jit(lambda m, t, e: m(t, experts_BTLk=e))(model, tokens, shifted),
-                           logits)
+    assert not np.allclose(replay(model, tokens, shifted), logits)
 
 
 def test_a_replay_of_the_wrong_shape_is_refused():

@@ -151,7 +151,7 @@ def test_with_a_cache_each_layer_is_sliced_where_it_runs():
     model = init_model(SMALL, seed=2, execution=DENSE)
     tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, SMALL.vocab_size)
     cache = init_cache(SMALL, 2, 8, "float32")
-    ref = model.hidden_states(tokens)[0]
+    ref = nnx.jit(lambda model, tokens: model.hidden_states(tokens)[0])(model, tokens)
     for platform in ("cpu", "tpu"):
         def hidden(model, tokens, cache):  # a function of its own: traced anew, not cached
             return model.hidden_states(tokens, None, None, cache)[0]
