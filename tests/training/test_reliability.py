@@ -270,14 +270,19 @@ def _zero_biggest(step_dir: Path) -> None:
 
 
 def test_skipped_nonfinite_update_keeps_params_and_moments_bitwise():
-    cfg = small_cfg("unused", inject_nan_at_step=1, skip_nonfinite_updates=True)
+    """The NaN at step 3, as in the next test: the same train step, compiled once."""
+    cfg = small_cfg("unused", inject_nan_at_step=3, skip_nonfinite_updates=True)
     steps = compile_steps(model_config(cfg), cfg.train, make_mesh(), seed=0)
-    before = jax.device_get(steps.init())
-    after, metrics = steps.train(steps.init(), {k: np.ones((4, 32), np.int32)
-                                                for k in ("inputs", "targets")})
+    batch = {k: np.ones((4, 32), np.int32) for k in ("inputs", "targets")}
+    state = steps.init()
+    for _ in range(2):
+        state, metrics = steps.train(state, batch)
+        assert bool(metrics["finite"])
+    before = jax.device_get(state)
+    after, metrics = steps.train(state, batch)
     assert not bool(metrics["finite"]) and np.isnan(float(metrics["loss"]))
     after = jax.device_get(after)
-    assert int(after.step) == 1
+    assert int(after.step) == 3
     for a, b in zip(jax.tree.leaves((before.params, before.opt_state)),
                     jax.tree.leaves((after.params, after.opt_state)), strict=True):
         np.testing.assert_array_equal(a, b)
