@@ -137,9 +137,11 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(cli, referenc
     5. SIGINT twice: the second exits at once (130); then a restart finishes the run."""
     workdir = tmp_path / "run"
 
-    # 1. Start-up (imports, tokenizer, data, compile): nothing is saved yet, nothing is lost.
+    # 1. Start-up (tokenizer, data, compile; the imports are done before the fork): nothing is
+    # saved yet, nothing is lost. At a random moment, or as soon as start-up ends.
     run = Run(cli, workdir, corpus_dir, "1-kill-startup")
-    time.sleep(RNG.uniform(1.0, 4.0))
+    kill_at = time.monotonic() + RNG.uniform(0.0, 3.0)
+    run.wait_until(lambda: time.monotonic() > kill_at or "] model: " in run.text())
     run.proc.send_signal(signal.SIGKILL)
     assert run.finish() == -signal.SIGKILL
     assert complete_steps(workdir) == []
