@@ -3,9 +3,11 @@
 A process of `python -m llm_jax.train` spends seconds importing JAX and llm_jax before its
 start-up proper (tokenizer, data, compile). The tests that kill, signal and restart the command
 line many times pay that once: `CliForks` starts this file as a server that imports
-llm_jax.train (no device is touched, no thread started) and then forks one child per run. Each
-child is a real process of the command line from its flag parsing on, with its own pid,
-signals, exit status and log, so a kill -9 or a signal reaches it as it would reach a fresh one.
+llm_jax.train (no device is touched, no Python thread started) and then forks one child per
+run. Each child is a real process of the command line from its flag parsing on, with its own
+pid, signals, exit status and log, so a kill -9 or a signal reaches it as it would reach a fresh
+one. (It runs under the server's malloc: the command line's re-execution under tcmalloc or
+mimalloc changes its speed, not what it computes.)
 
 Protocol (JSON lines on the server's stdin and stdout): {"start": argv, "env": {...}, "log":
 path} -> {"pid": pid}; {"poll": pid} -> {"exit": code or null}, the code as
