@@ -1,7 +1,7 @@
 """Multi-host: two processes x four CPU devices on 127.0.0.1 (launch/local.py) train three steps
 with the same losses as one process with eight devices, and the checkpoint they write together
-restores on one device and on a (2, 1, 2, 2) mesh with the same params; a two-process job run
-twice over one compilation cache finishes both times.
+restores on one device and on a (2, 1, 2, 2) mesh with the same params; the two-process job's
+rerun over its compilation cache finishes too.
 
 The workers are this file run as a script; nothing connects beyond 127.0.0.1.
 """
@@ -44,14 +44,27 @@ def _run(cmd, env_extra, timeout=300):
 def test_two_processes_train_like_one_process_and_their_checkpoint_restores_on_other_meshes(
         tmp_path):
     """The two-process run, then one eight-device process that trains the same steps and
-    restores the two-process checkpoint on one device and on the (2, 1, 2, 2) mesh. (One test:
-    pytest-xdist could start a shared fixture's processes twice.)"""
+    restores the two-process checkpoint on one device and on the (2, 1, 2, 2) mesh; then a
+    rerun of the two processes over the first one's compilation cache. (One test: pytest-xdist
+    could start a shared fixture's processes twice.)
+
+    The rerun would load its programs from the cache, and with jaxlib 0.12.1 process 0's first
+    collective then never completes (`distributed.compile_fresh_on_cpu` keeps multi-process CPU
+    runs off the cache): both runs compute a psum across the processes first, and each must
+    finish it well within the timeout."""
     single, multi = tmp_path / "single", tmp_path / "multi"
-    _run([sys.executable, str(ROOT / "launch" / "local.py"), "--num_processes", "2",
-          "--devices_per_process", "4", "--timeout", "280", "--", sys.executable, __file__,
-          "train", str(multi), json.dumps(MULTI)], {"XLA_FLAGS": FAST_XLA})
+    env = {"XLA_FLAGS": FAST_XLA, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    launch = [sys.executable, str(ROOT / "launch" / "local.py"), "--num_processes", "2",
+              "--devices_per_process", "4", "--timeout", "280", "--", sys.executable, __file__]
+    runs = [_run(launch + ["train", str(multi), json.dumps(MULTI)], env)]
     _run([sys.executable, __file__, "single", str(single), str(multi)],
          {"XLA_FLAGS": EIGHT_DEVICES})
+    runs.append(_run(launch + ["psum"], env))
+    for out in runs:
+        for i in range(2):  # 4 x 1^2 + 4 x 2^2: four rows on each process
+            assert f"[{i}] psum [20.0, 20.0, 20.0, 20.0] cache off" in out.stdout, \
+                out.stdout[-3000:]
 
     s, m = (json.loads((d / "result.json").read_text()) for d in (single, multi))
     assert m["process_count"] == 2 and s["process_count"] == 1
@@ -70,21 +83,6 @@ def test_two_processes_train_like_one_process_and_their_checkpoint_restores_on_o
         assert r["placed_on_target"], (target, r)
 
 
-def test_a_rerun_on_cpu_does_not_load_programs_that_hang(tmp_path):
-    """The same two-process job twice with one compilation cache: the second run would load
-    its programs from the cache, and with jaxlib 0.12.1 process 0's first collective then
-    never completes (`distributed.compile_fresh_on_cpu` keeps multi-process CPU runs off the
-    cache). Each run must finish its psum across the processes well within the timeout."""
-    env = {"XLA_FLAGS": FAST_XLA, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    for _ in range(2):
-        out = _run([sys.executable, str(ROOT / "launch" / "local.py"), "--num_processes", "2",
-                    "--devices_per_process", "1", "--timeout", "120", "--", sys.executable,
-                    __file__, "psum"], env)
-        for i in range(2):  # 1^2 + 2^2, on both processes
-            assert f"[{i}] psum [5.0, 5.0, 5.0, 5.0] cache off" in out.stdout, out.stdout[-3000:]
-
-
 # --------------------------------------------------------------------------- workers
 
 
@@ -99,11 +97,14 @@ def _setup(mesh_spec):
     return tiny_model(), tiny_train(), mesh
 
 
-def worker_train(workdir: str, mesh_json: str) -> None:
+def worker_train(workdir: str, mesh_json: str, psum: bool = False) -> None:
     from llm_jax.parallel import distributed
 
     info = distributed.initialize()  # from the launcher's environment
     import jax
+
+    if psum:
+        print_psum()
 
     from llm_jax.training.step import compile_steps
     from llm_jax.weights.checkpointing import Checkpointer
@@ -135,19 +136,23 @@ def worker_train(workdir: str, mesh_json: str) -> None:
 
 
 def worker_psum() -> None:
-    """Each process contributes (its index + 1)^2 to a sum across the processes: a fused
-    product, then the all-reduce (an all-reduce alone ran from the cache with jaxlib 0.12.1;
-    one after a computation did not)."""
     from llm_jax.parallel import distributed
 
     distributed.initialize()
+    print_psum()
+
+
+def print_psum() -> None:
+    """Each process contributes (its index + 1)^2 from each of its devices to a sum across the
+    processes: a fused product, then the all-reduce (an all-reduce alone ran from the cache
+    with jaxlib 0.12.1; one after a computation did not)."""
     import jax
     import jax.numpy as jnp
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     x = jax.make_array_from_process_local_data(
-        sharding, np.full((1, 4), jax.process_index() + 1.0, np.float32))
+        sharding, np.full((jax.local_device_count(), 4), jax.process_index() + 1.0, np.float32))
     total = jax.jit(lambda a: jnp.sum(a * a, axis=0))(x)
     cache = "on" if jax.config.jax_enable_compilation_cache else "off"
     print(f"psum {np.asarray(total.addressable_data(0)).tolist()} cache {cache}", flush=True)
@@ -190,4 +195,5 @@ def restore(workdir: str, target: str, ref_npz: str) -> dict:
 
 
 if __name__ == "__main__":
-    {"train": worker_train, "single": worker_single, "psum": worker_psum}[sys.argv[1]](*sys.argv[2:])
+    {"train": lambda *a: worker_train(*a, psum=True), "single": worker_single,
+     "psum": worker_psum}[sys.argv[1]](*sys.argv[2:])

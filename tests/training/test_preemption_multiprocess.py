@@ -26,7 +26,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))
 
-# FAST_XLA: cheap compiles, the same for every run.
+from cli_forks import CliForks  # noqa: E402
 from helpers import FAST_XLA, OVERRIDES, ROOT, complete_steps, read_records, saved_params  # noqa: E402
 from local import free_port  # noqa: E402
 
@@ -37,28 +37,36 @@ UNTIL_STOPPED, LOG_EVERY = 100_000, 4  # steps asked of the interrupted runs; lo
 RNG = np.random.default_rng(16)
 
 
+@pytest.fixture(scope="module")
+def cli():
+    """The command line's processes, each forked after the imports (cli_forks); one CPU device
+    each, cheap compiles (FAST_XLA, the same for every run), and faulthandler on: a process
+    that hangs is sent SIGABRT and prints every thread's Python stack into its log
+    (`Job.hung`)."""
+    server = CliForks({"JAX_NUM_CPU_DEVICES": "1", "XLA_FLAGS": FAST_XLA,
+                       "PYTHONFAULTHANDLER": "1"})
+    yield server
+    server.close()
+
+
 class Job:
     """Two processes of the CLI on one coordinator at 127.0.0.1; output in WORKDIR.NAME.P.log."""
 
-    def __init__(self, workdir: Path, corpus_dir: str, name: str, num_steps: int = UNTIL_STOPPED):
+    def __init__(self, cli: CliForks, workdir: Path, corpus_dir: str, name: str,
+                 num_steps: int = UNTIL_STOPPED):
         args = {**OVERRIDES, "data.files": os.path.join(corpus_dir, "*"), "mesh.dcn_data": 2,
                 "train.num_steps": num_steps, "train.min_lr_ratio": 1.0,
                 "train.log_every_steps": LOG_EVERY, "checkpoint.every_steps": UNTIL_STOPPED}
-        cmd = ([sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-                f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in args.items()])
+        argv = ([f"--config={ROOT / 'configs/tiny.py'}", f"--workdir={workdir}"]
+                + [f"--config.{k}={v}" for k, v in args.items()])
         address = f"127.0.0.1:{free_port()}"
         self.workdir, self.logs, self.procs = workdir, [], []
         for i in range(2):
-            # PYTHONFAULTHANDLER: a process that hangs is sent SIGABRT and prints every
-            # thread's Python stack into its log (`Job.hung`).
-            env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": address,
-                   "PYTHONFAULTHANDLER": "1",
-                   "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i), "JAX_NUM_CPU_DEVICES": "1",
-                   "XLA_FLAGS": FAST_XLA}
             self.logs.append(workdir.parent / f"{workdir.name}.{name}.{i}.log")
-            with open(self.logs[-1], "w") as f:
-                self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                                   env=env, cwd=ROOT))
+            self.logs[-1].write_text("")
+            self.procs.append(cli.start(argv, self.logs[-1], env={
+                "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(i)}))
 
     def text(self, i: int = 0) -> str:
         return self.logs[i].read_text()
@@ -107,11 +115,12 @@ class Job:
         return int(found[0][0])
 
 
-def _preempt(workdir: Path, corpus_dir: str, name: str, signalled: list[int]) -> int:
+def _preempt(cli: CliForks, workdir: Path, corpus_dir: str, name: str,
+             signalled: list[int]) -> int:
     """Runs (or resumes) the job, SIGTERMs the processes `signalled` a few steps after it
     started training, and checks that both saved the same step; returns that step."""
     done = complete_steps(workdir)
-    job = Job(workdir, corpus_dir, name)
+    job = Job(cli, workdir, corpus_dir, name)
     at = (done[-1] if done else 0) + int(RNG.integers(1, 2 * LOG_EVERY))
     job.wait_for_step(at)
     for i in signalled:
@@ -132,13 +141,13 @@ def _preempt(workdir: Path, corpus_dir: str, name: str, signalled: list[int]) ->
 
 @pytest.mark.slow
 def test_sigterm_to_one_process_and_to_all_then_resume_equals_an_uninterrupted_run(
-        corpus_dir, tmp_path):
+        cli, corpus_dir, tmp_path):
     workdir = tmp_path / "run"
-    first = _preempt(workdir, corpus_dir, "sigterm-one", signalled=[1])
-    second = _preempt(workdir, corpus_dir, "sigterm-all", signalled=[0, 1])
+    first = _preempt(cli, workdir, corpus_dir, "sigterm-one", signalled=[1])
+    second = _preempt(cli, workdir, corpus_dir, "sigterm-all", signalled=[0, 1])
     assert second > first
 
-    reference = Job(tmp_path / "reference", corpus_dir, "straight", num_steps=second)
+    reference = Job(cli, tmp_path / "reference", corpus_dir, "straight", num_steps=second)
     assert reference.finish() == [0, 0], reference.text()[-3000:]
     assert complete_steps(tmp_path / "reference") == [second]
     for a, b in zip(saved_params(tmp_path / "reference"), saved_params(workdir), strict=True):

@@ -13,8 +13,6 @@ import re
 import runpy
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from cli_forks import CliForks
 from flax import nnx
 from helpers import (
     EVERY,
@@ -47,22 +46,29 @@ from llm_jax.weights.restore_check import RestoreError
 RNG = np.random.default_rng(8)  # the kill points are random, and reproducible
 
 
-def _cmd(workdir: Path, corpus_dir: str, **extra) -> list[str]:
+def _argv(workdir: Path, corpus_dir: str, **extra) -> list[str]:
+    """The command line's arguments after `python -m llm_jax.train`."""
     args = {**OVERRIDES, "data.files": os.path.join(corpus_dir, "*"), **extra}
-    return ([sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in args.items()])
+    return (["--config", str(ROOT / "configs/tiny.py"), f"--workdir={workdir}"]
+            + [f"--config.{k}={v}" for k, v in args.items()])
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """The command line's runs, each a process forked after the imports (cli_forks)."""
+    server = CliForks()
+    yield server
+    server.close()
 
 
 class Run:
-    """The CLI in a subprocess, its stderr in a file we can watch while it runs."""
+    """A run of the CLI in its own process, its output in a file we can watch while it runs."""
 
-    def __init__(self, workdir: Path, corpus_dir: str, name: str, **extra):
+    def __init__(self, cli: CliForks, workdir: Path, corpus_dir: str, name: str, **extra):
         self.log = workdir.parent / f"{workdir.name}.{name}.log"
         self.workdir = workdir
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        self._f = open(self.log, "w")
-        self.proc = subprocess.Popen(_cmd(workdir, corpus_dir, **extra), stdout=self._f,
-                                     stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
+        self.log.write_text("")
+        self.proc = cli.start(_argv(workdir, corpus_dir, **extra), self.log)
 
     def text(self) -> str:
         return self.log.read_text()
@@ -84,9 +90,7 @@ class Run:
             time.sleep(0.002)
 
     def finish(self, timeout: float = 300) -> int:
-        rc = self.proc.wait(timeout)
-        self._f.close()
-        return rc
+        return self.proc.wait(timeout)
 
 
 def _resumed_from(text: str) -> int | None:
@@ -124,7 +128,7 @@ def reference(corpus_dir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, corpus_dir,
+def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(cli, reference, corpus_dir,
                                                                    tmp_path):
     """One workdir through five faults in a row, each followed by a restart:
     1. kill -9 at a random moment of start-up; 2. kill -9 at a random step, mid-step;
@@ -133,16 +137,18 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     5. SIGINT twice: the second exits at once (130); then a restart finishes the run."""
     workdir = tmp_path / "run"
 
-    # 1. Start-up (imports, tokenizer, data, compile): nothing is saved yet, nothing is lost.
-    run = Run(workdir, corpus_dir, "1-kill-startup")
-    time.sleep(RNG.uniform(1.0, 4.0))
+    # 1. Start-up (tokenizer, data, compile; the imports are done before the fork): nothing is
+    # saved yet, nothing is lost. At a random moment, or as soon as start-up ends.
+    run = Run(cli, workdir, corpus_dir, "1-kill-startup")
+    kill_at = time.monotonic() + RNG.uniform(0.0, 3.0)
+    run.wait_until(lambda: time.monotonic() > kill_at or "] model: " in run.text())
     run.proc.send_signal(signal.SIGKILL)
     assert run.finish() == -signal.SIGKILL
     assert complete_steps(workdir) == []
 
     # 2. A random step. The restart resumes from the newest complete checkpoint.
     kill_at = int(RNG.integers(EVERY + 1, 3 * EVERY))
-    run = Run(workdir, corpus_dir, "2-kill-step")
+    run = Run(cli, workdir, corpus_dir, "2-kill-step")
     assert _resumed_from(run.text()) is None
     run.wait_until(lambda: run.last_step() >= kill_at)
     time.sleep(RNG.uniform(0, 0.02))  # anywhere inside the following step
@@ -155,7 +161,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
 
     # 3. Mid-save: the save of step save_at is left as an Orbax temporary directory.
     save_at = base + 2 * EVERY
-    run = Run(workdir, corpus_dir, "3-kill-mid-save",
+    run = Run(cli, workdir, corpus_dir, "3-kill-mid-save",
               **{"checkpoint.inject_kill_during_save_at_step": save_at})
     assert run.finish() == -signal.SIGKILL
     assert _resumed_from(run.text()) == (base or None)  # no step lost beyond the last checkpoint
@@ -165,7 +171,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     assert saved[-1] == save_at - EVERY
 
     # 4. SIGTERM at a random step between checkpoints: finish it, save it, exit 143.
-    run = Run(workdir, corpus_dir, "4-sigterm")
+    run = Run(cli, workdir, corpus_dir, "4-sigterm")
     term_at = int(RNG.integers(saved[-1] + 1, saved[-1] + EVERY))
     run.wait_until(lambda: run.last_step() >= term_at)
     run.proc.send_signal(signal.SIGTERM)
@@ -180,7 +186,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     assert (workdir / "checkpoints" / str(stopped) / MANIFEST).exists()
 
     # 5. SIGINT, and again once the first is acknowledged: out at once, checkpoints intact.
-    run = Run(workdir, corpus_dir, "5-double-sigint")
+    run = Run(cli, workdir, corpus_dir, "5-double-sigint")
     int_at = stopped + int(RNG.integers(1, EVERY))
     run.wait_until(lambda: run.last_step() >= int_at)
     run.proc.send_signal(signal.SIGINT)
@@ -191,7 +197,7 @@ def test_kills_and_signals_then_restart_equal_an_uninterrupted_run(reference, co
     assert "second signal SIGINT: exiting now" in run.text()
     good = complete_steps(workdir)
 
-    run = Run(workdir, corpus_dir, "6-finish")
+    run = Run(cli, workdir, corpus_dir, "6-finish")
     assert run.finish() == 0, run.text()[-3000:]
     assert _resumed_from(run.text()) == good[-1]
     _same_run(reference, workdir)
@@ -225,12 +231,13 @@ def test_corrupted_checkpoint_is_named_and_the_previous_one_used(reference, corp
 
 
 @pytest.mark.slow
-def test_injected_nan_stops_the_cli_at_that_step_and_saves_nothing_after(corpus_dir, tmp_path):
+def test_injected_nan_stops_the_cli_at_that_step_and_saves_nothing_after(cli, corpus_dir,
+                                                                         tmp_path):
     """Log every 10 steps: the loop still reads each step's isfinite flag (one step late)."""
     workdir = tmp_path / "run"
     nan_at = 2 * EVERY + 2
-    run = Run(workdir, corpus_dir, "nan", **{"train.inject_nan_at_step": nan_at,
-                                            "train.log_every_steps": 10})
+    run = Run(cli, workdir, corpus_dir, "nan", **{"train.inject_nan_at_step": nan_at,
+                                                 "train.log_every_steps": 10})
     assert run.finish() == 1
     text = run.text()
     assert (f"FloatingPointError: non-finite loss or gradients at step {nan_at}: training "
@@ -265,14 +272,19 @@ def _zero_biggest(step_dir: Path) -> None:
 
 
 def test_skipped_nonfinite_update_keeps_params_and_moments_bitwise():
-    cfg = small_cfg("unused", inject_nan_at_step=1, skip_nonfinite_updates=True)
+    """The NaN at step 3, as in the next test: the same train step, compiled once."""
+    cfg = small_cfg("unused", inject_nan_at_step=3, skip_nonfinite_updates=True)
     steps = compile_steps(model_config(cfg), cfg.train, make_mesh(), seed=0)
-    before = jax.device_get(steps.init())
-    after, metrics = steps.train(steps.init(), {k: np.ones((4, 32), np.int32)
-                                                for k in ("inputs", "targets")})
+    batch = {k: np.ones((4, 32), np.int32) for k in ("inputs", "targets")}
+    state = steps.init()
+    for _ in range(2):
+        state, metrics = steps.train(state, batch)
+        assert bool(metrics["finite"])
+    before = jax.device_get(state)
+    after, metrics = steps.train(state, batch)
     assert not bool(metrics["finite"]) and np.isnan(float(metrics["loss"]))
     after = jax.device_get(after)
-    assert int(after.step) == 1
+    assert int(after.step) == 3
     for a, b in zip(jax.tree.leaves((before.params, before.opt_state)),
                     jax.tree.leaves((after.params, after.opt_state)), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -333,40 +345,8 @@ def test_config_unknown_field_wrong_type_and_conflicts_are_named(small_run, corp
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
 
 
-# The command line `python -m llm_jax.train` runs, once per argv in a child forked after the
-# imports (absl parses flags once per process): one start-up for every case, not one each.
-FORKED_CLI = """
-import json, os, sys
-from absl import app
-from llm_jax import train as cli
-from llm_jax.runtime.cli import parse_flags
-out = sys.argv[1]
-for i, argv in enumerate(json.loads(sys.argv[2])):
-    pid = os.fork()
-    if pid == 0:
-        err = os.open(os.path.join(out, f"{i}.err"), os.O_WRONLY | os.O_CREAT)
-        os.dup2(err, 2)
-        code = 0
-        try:
-            sys.argv = ["llm_jax.train", *argv]
-            app.run(cli.main, flags_parser=parse_flags(cli.PROG))
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps(os.waitstatus_to_exitcode(status)))
-"""
-
-
 @pytest.mark.slow
-def test_cli_wrong_type_and_repeated_overrides_are_clear_errors(tmp_path):
+def test_cli_wrong_type_and_repeated_overrides_are_clear_errors(cli, tmp_path):
     cases = [
         (["--config.train.num_steps=abc"], "train.num_steps"),
         (["--config.train.num_steps=5", "--config.train.num_steps=6"],
@@ -381,16 +361,13 @@ def test_cli_wrong_type_and_repeated_overrides_are_clear_errors(tmp_path):
         (["--config.sft.on_bad_line=skp"], "sft.on_bad_line='skp' is invalid: expected one of "
                                            "['skip', 'stop']"),
     ]
-    argvs = [["--config", str(ROOT / "configs/tiny.py"), f"--workdir={tmp_path / 'run'}", *extra]
-             for extra, _ in cases]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", FORKED_CLI, str(tmp_path), json.dumps(argvs)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    codes = [json.loads(line) for line in proc.stdout.split()]
-    assert len(codes) == len(cases), proc.stdout
-    for i, ((extra, message), code) in enumerate(zip(cases, codes)):
-        stderr = (tmp_path / f"{i}.err").read_text()
+    for i, (extra, message) in enumerate(cases):
+        log = tmp_path / f"{i}.log"
+        log.write_text("")
+        argv = ["--config", str(ROOT / "configs/tiny.py"), f"--workdir={tmp_path / 'run'}",
+                *extra]
+        code = cli.start(argv, log).wait(120)
+        stderr = log.read_text()
         assert code == 2 and message in stderr, (extra, code, stderr[-2000:])
         assert "Traceback" not in stderr, stderr[-2000:]
         assert stderr.strip().splitlines()[-1].startswith("llm_jax.train: error: "), stderr
@@ -403,10 +380,10 @@ def test_hostile_corpus_files_are_skipped_by_name_and_training_runs(corpus_dir, 
     (corpus / "empty.py").write_bytes(b"")
     (corpus / "blob.bin").write_bytes(bytes(range(256)) * 8)
     (corpus / "latin1.txt").write_bytes("caf\xe9 na\xefve\n".encode("latin-1") * 50)
-    cfg = small_cfg(str(corpus), num_steps=2)
+    cfg = small_cfg(str(corpus))  # small_run's steps: its compiled program, from the cache
     train(cfg, str(tmp_path / "run"))
     assert "empty.py: it is empty" in caplog.text  # found at start-up, from its size
-    assert complete_steps(tmp_path / "run") == [2]
+    assert complete_steps(tmp_path / "run") == [4, 8]
     # Files are read in place, as the pipeline reaches them: undecodable text is named then.
     from llm_jax.data import DataConfig
     from llm_jax.data.sources import open_text_splits
