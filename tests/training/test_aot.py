@@ -3,10 +3,10 @@ machine (libtpu's compile-only devices) and for 8 simulated CPU devices, and rep
 memory next to the arithmetic estimate; so do the RL step's programs, generation and the fused
 loss.
 
-The TPU programs compile in this process: libtpu's compile-only devices need no fresh
-interpreter, and a process launch with libtpu costs about as much as one of these compiles. The
-command line (`python -m llm_jax.compile`) runs in a subprocess for the CPU cases, where
---cpu_devices must take effect before JAX starts."""
+The programs compile in this process: libtpu's compile-only devices need no fresh interpreter,
+and a process launch with libtpu costs about as much as one of these compiles. The command line
+(`python -m llm_jax.compile`) runs in a subprocess where its own flags are the subject:
+--cpu_devices (which must take effect before JAX starts), --hlo_out, --topology, --program."""
 
 from __future__ import annotations
 
@@ -32,10 +32,8 @@ from llm_jax.parallel.sharding import make_mesh
 from llm_jax.training import aot
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ["--config.model.num_hidden_layers=2", "--config.model.num_experts=8",
-        "--config.model.hidden_size=64", "--config.model.intermediate_size=64",
-        "--config.model.head_dim=16", "--config.model.vocab_size=256", "--seq_len=32",
-        "--batch=8"]
+TINY = {"num_hidden_layers": 2, "num_experts": 8, "hidden_size": 64, "intermediate_size": 64,
+        "head_dim": 16, "vocab_size": 256}
 # test_describe's small model of the compiled-memory cases (its SMALL), layers scanned: the
 # TPU cases, at --batch 16 x --seq_len 128
 DESCRIBE_SMALL = {"num_hidden_layers": 2, "num_experts": 8, "vocab_size": 512,
@@ -46,9 +44,25 @@ def cli(*args):
     """`python -m llm_jax.compile` on CPU, under the suite's cheap XLA:CPU code generation
     (conftest's XLA_FLAGS, inherited)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    model = [f"--config.model.{k}={v}" for k, v in TINY.items()]
     return subprocess.run([sys.executable, "-m", "llm_jax.compile", "--config",
-                           str(ROOT / "configs/tiny.py"), *TINY, *args, "--json"], cwd=ROOT,
+                           str(ROOT / "configs/tiny.py"), *model, "--seq_len=32", "--batch=8",
+                           *args, "--json"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_config(model: dict, lora_rank: int = 0, **execution):
+    """configs/tiny.py with `model`'s fields, `execution`'s and LoRA of `lora_rank` (0: none)."""
+    spec = importlib.util.spec_from_file_location("tiny", ROOT / "configs/tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rc = module.get_config()
+    for k, v in model.items():
+        rc.model[k] = v
+    for k, v in execution.items():
+        rc.execution[k] = v
+    rc.lora.rank = lora_rank
+    return rc
 
 
 def test_topology_names_follow_cloud_tpu_accelerator_types():
@@ -77,10 +91,8 @@ def test_train_step_compiles_for_eight_cpu_devices(tmp_path):
 
 
 def test_rl_program_compiles_the_update_and_the_engine_decode_step_around_one_weight_copy():
-    out = cli("--program", "rl", "--config.lora.rank=4", "--config.model.sliding_window=0",
-              "--batch=4")
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout[out.stdout.index("{"):])
+    rc = run_config({**TINY, "sliding_window": 0}, 4)
+    r = aot.compile_rl(rc, jax.devices()[:1], batch=4, seq_len=32)
     step, decode = r["step"], r["decode"]
     assert (r["program"], r["batch"], r["seq_len"], r["lora_rank"]) == ("rl", 4, 32, 4)
     # The decode step reads the weights (base + adapters), the cache of 4 slots x 32 positions
@@ -101,31 +113,16 @@ def test_rl_program_compiles_the_update_and_the_engine_decode_step_around_one_we
 
 
 def test_bad_mesh_for_the_topology_names_both_numbers():
-    # With libtpu, the devices of --topology (the command line's path to a TPU compile; the
-    # compiles themselves run in this process below), else 8 simulated CPU devices.
+    # The command line's RL program (the compiles themselves run in this process) for the
+    # devices of --topology where libtpu is installed (the command line's path to a TPU
+    # compile), else of 8 simulated CPU devices.
     devices, n = (["--topology", "v5e-4"], 4) if HAVE_LIBTPU else (["--cpu_devices", "8"], 8)
-    out = cli(*devices, "--mesh", "data=3")
+    out = cli(*devices, "--program", "rl", "--mesh", "data=3")
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"multiply to 3, but there are {n} devices" in out.stderr
 
 
-
-
 # ------------------------------------------------------------------ TPU topologies (libtpu)
-
-
-def small_run_config(lora_rank: int = 0, **execution):
-    """configs/tiny.py with DESCRIBE_SMALL's model, its layers scanned."""
-    spec = importlib.util.spec_from_file_location("tiny", ROOT / "configs/tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rc = module.get_config()
-    for k, v in DESCRIBE_SMALL.items():
-        rc.model[k] = v
-    for k, v in {"scan_layers": True, **execution}.items():
-        rc.execution[k] = v
-    rc.lora.rank = lora_rank
-    return rc
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +132,7 @@ def v5e_4():
 
 @NEEDS_LIBTPU
 def test_train_step_compiles_for_a_tpu_topology_and_reports_memory_near_the_estimate(v5e_4):
-    r = aot.compile_train_step(small_run_config(moe_dispatch="expert_parallel"), v5e_4,
+    r = aot.compile_train_step(run_config(DESCRIBE_SMALL, scan_layers=True, moe_dispatch="expert_parallel"), v5e_4,
                                mesh={"fsdp": 2, "expert": 2}, batch=16, seq_len=128)
     json.dumps(r)  # what `python -m llm_jax.compile --json` prints
     assert r["device_kind"] == "TPU v5 lite" and r["devices"] == 4
@@ -161,7 +158,7 @@ def test_train_step_compiles_for_a_tpu_topology_and_reports_memory_near_the_esti
 
 @NEEDS_LIBTPU
 def test_rl_program_compiles_for_a_tpu_topology_with_the_weights_sharded(v5e_4):
-    rc = small_run_config(lora_rank=4, moe_dispatch="auto")
+    rc = run_config(DESCRIBE_SMALL, 4, scan_layers=True, moe_dispatch="auto")
     r = aot.compile_rl(rc, v5e_4, mesh={"fsdp": 2, "expert": 2}, batch=8, seq_len=128)
     assert r["device_kind"] == "TPU v5 lite" and r["devices"] == 4
     assert r["fits"] is True and r["fits_with_10_percent_spare"] is True
