@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 from helpers import EIGHT_DEVICES
 
-from llm_jax import describe as report_module
 from llm_jax.config import ModelConfig, field_doc
 from llm_jax.execution import ExecutionConfig
 from llm_jax.model import abstract_model, costs as d
@@ -214,16 +213,6 @@ def test_remat_saves_activations_inside_the_layer_scan_only():
                             execution=unrolled)["total"]
 
 
-def test_every_model_field_has_a_description():
-    report = report_module.report(run_config("tiny"))
-    docs = {f["field"]: f["doc"] for f in report["fields"]}
-    for section, cls in (("model", ModelConfig), ("execution", ExecutionConfig)):
-        for f in dataclasses.fields(cls):  # each field's doc is its dataclass metadata
-            assert docs[f"{section}.{f.name}"] == field_doc(cls, f.name) != ""
-    fields = [f["field"] for f in report["fields"]]
-    assert len(fields) == len(set(fields)) and "model.vocab_size" in fields
-
-
 def test_unknown_override_is_named_with_the_known_fields():
     with pytest.raises(ValueError, match="config.model has no field 'num_expert'.*num_experts"):
         check_overrides(run_config("tiny"), ["--config.model.num_expert=3"])
@@ -235,17 +224,33 @@ def cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_json_is_the_same_data_as_the_functions():
+@pytest.fixture(scope="module")
+def cli_report():
+    """The CLI's JSON report of the tiny config with 32 experts at T=512 on data=2,fsdp=2."""
     out = cli("--config", "configs/tiny.py", "--config.model.num_experts=32", "--seq_len=512",
               "--mesh", "data=2,fsdp=2", "--json")
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_cli_json_is_the_same_data_as_the_functions(cli_report):
+    report = cli_report
     cfg = model("tiny").replace(num_experts=32)
     assert report["params"]["components"] == d.param_counts(cfg)
     assert report["params"]["active"] == d.active_params(cfg)
     assert report["flops_per_token"]["training"] == d.flops_per_token(cfg, 512)
     assert report["memory_per_device"]["mesh"]["fsdp"] == 2
     assert report["memory_per_device"]["tokens_per_device"] == 8 // 4 * 512
+
+
+def test_every_model_field_has_a_description(cli_report):
+    # `report()`'s field list, as the command line prints it
+    docs = {f["field"]: f["doc"] for f in cli_report["fields"]}
+    for section, cls in (("model", ModelConfig), ("execution", ExecutionConfig)):
+        for f in dataclasses.fields(cls):  # each field's doc is its dataclass metadata
+            assert docs[f"{section}.{f.name}"] == field_doc(cls, f.name) != ""
+    fields = [f["field"] for f in cli_report["fields"]]
+    assert len(fields) == len(set(fields)) and "model.vocab_size" in fields
 
 
 def test_cli_unknown_field_is_a_clear_error_not_a_traceback():
