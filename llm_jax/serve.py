@@ -17,19 +17,15 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from llm_jax.runtime.malloc import use_preferred_malloc
 
 if __name__ == "__main__":  # first: a restart under the preferred malloc re-imports nothing heavy
     use_preferred_malloc()
 
-from llm_jax.inference.engine import Engine
 from llm_jax.inference.requests import EngineConfig
-from llm_jax.inference.tokenizer import load_tokenizer
 from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.serving.app import Server, create_app
-from llm_jax.weights.readers import load_pretrained
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -59,14 +55,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def build_server(args: argparse.Namespace):
     """(the Server, its app): the model, tokenizer and engine, warmed up unless told not to."""
-    model = load_pretrained(args.checkpoint, dtype=args.dtype)
-    engine = Engine(model, EngineConfig(slots=args.slots, max_len=args.max_len,
-                                        max_queue=args.max_queue, max_prefill=args.max_prefill,
-                                        cache_dtype=args.cache_dtype))
-    if args.warmup != "none":
-        engine.warmup(None if args.warmup == "all" else engine.prompt_buckets()[:1])
-    name = args.model_name or Path(args.checkpoint).resolve().name
-    server = Server(engine, load_tokenizer(args.checkpoint), name, args.request_timeout)
+    server = Server.from_checkpoint(
+        args.checkpoint, EngineConfig(slots=args.slots, max_len=args.max_len,
+                                      max_queue=args.max_queue, max_prefill=args.max_prefill,
+                                      cache_dtype=args.cache_dtype),
+        warmup=args.warmup, dtype=args.dtype, model_name=args.model_name,
+        request_timeout=args.request_timeout)
     return server, create_app(server)
 
 

@@ -96,17 +96,11 @@ def serving(ckpt: Path, slots: int, max_len: int, log: Path, *,
         return
     import uvicorn
 
-    from llm_jax.inference.engine import Engine
     from llm_jax.inference.requests import EngineConfig
-    from llm_jax.inference.tokenizer import load_tokenizer
     from llm_jax.serving.app import Server, create_app
-    from llm_jax.weights.readers import load_pretrained
 
-    engine = Engine(load_pretrained(ckpt), EngineConfig(slots=slots, max_len=max_len,
-                                                        max_queue=4 * slots))
-    if warmup != "none":
-        engine.warmup(None if warmup == "all" else engine.prompt_buckets()[:1])
-    app = create_app(Server(engine, load_tokenizer(ckpt), ckpt.name))
+    app = create_app(Server.from_checkpoint(
+        ckpt, EngineConfig(slots=slots, max_len=max_len, max_queue=4 * slots), warmup=warmup))
     port = _free_port()
     # log_config=None: this process's logging configuration is left as it is.
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,

@@ -27,10 +27,12 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import random
 import re
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,13 +41,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from llm_jax.inference.engine import Engine
-from llm_jax.inference.requests import EngineClosed, QueueFull, SamplingParams, Sequence
-from llm_jax.inference.tokenizer import CheckpointTokenizer
+from llm_jax.inference.requests import (
+    EngineClosed,
+    EngineConfig,
+    QueueFull,
+    SamplingParams,
+    Sequence,
+)
+from llm_jax.inference.tokenizer import CheckpointTokenizer, load_tokenizer
 from llm_jax.serving import protocol, responses
 from llm_jax.serving.prompts import chat_prompt
 from llm_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from llm_jax.serving.replies import HarmonyReply, Piece, PlainReply
 from llm_jax.serving.responses import ResponsesRequest
+from llm_jax.weights.readers import load_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,22 @@ class Server:
     model_name: str
     request_timeout: float = 600.0
     _mailbox: Mailbox | None = None
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str | os.PathLike, config: EngineConfig, *,
+                        warmup: str = "all", dtype: str | None = None,
+                        model_name: str | None = None, request_timeout: float = 600.0) -> Server:
+        """The model at `checkpoint` (any format `load_pretrained` reads) in an engine of
+        `config`, its tokenizer, and the name the API reports (default: the checkpoint
+        folder's). `warmup`: "all" compiles every prompt bucket before the first request,
+        "short" the first bucket, "none" nothing (each compiles when first used)."""
+        if warmup not in ("all", "short", "none"):
+            raise ValueError(f"warmup={warmup!r}: expected 'all', 'short' or 'none'")
+        engine = Engine(load_pretrained(checkpoint, dtype=dtype), config)
+        if warmup != "none":
+            engine.warmup(None if warmup == "all" else engine.prompt_buckets()[:1])
+        return cls(engine, load_tokenizer(checkpoint),
+                   model_name or Path(checkpoint).resolve().name, request_timeout)
 
     def mailbox(self) -> Mailbox:
         """The running event loop's mailbox (made on first use, inside the loop)."""
