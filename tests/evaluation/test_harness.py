@@ -1,4 +1,4 @@
-"""lm-evaluation-harness drives llm_jax: `python -m llm_jax.eval` runs the local tasks in
+"""lm-evaluation-harness drives llm_jax: `llm_jax.eval`'s command line runs the local tasks in
 tests/evaluation/tasks (task YAML over JSONL, offline) against a tiny checkpoint and writes the
 harness' results JSON; its multiple-choice accuracy equals the accuracy computed directly from
 `inference.scoring.loglikelihood`, its perplexity equals the rolling log-likelihood's, and its
@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, make_checkpoint
+from helpers import make_checkpoint
 
 from llm_jax.inference.completions import GenerationRequest, generate_until
 from llm_jax.inference.scoring import loglikelihood, loglikelihood_rolling
@@ -34,17 +32,26 @@ def _jsonl(name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The harness' results and logged samples for the three local tasks."""
+    """The harness' results and logged samples for the three local tasks, from the command
+    line's `main` run in this process: the direct computations below then reuse the programs
+    it compiled (the same model, batch and length buckets) instead of compiling them again."""
+    from llm_jax.eval import main
+
     tmp = tmp_path_factory.mktemp("eval")
     ckpt = make_checkpoint(tmp / "tiny")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp / "hf_datasets"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "llm_jax.eval", "--checkpoint", str(ckpt), "--tasks",
-         "llm_jax_tiny_choice,llm_jax_tiny_text,llm_jax_tiny_until", "--include_path", ".",
-         "--output_path", str(tmp / "out"), "--log_samples"],
-        cwd=TASKS, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(TASKS)  # the task YAMLs name their JSONL relative to it
+        mp.setattr(sys, "argv", list(sys.argv))  # main() hands lm_eval its own argv
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            mp.setenv(name, "1")
+        import datasets.config  # read the variables above if this imports it first
+
+        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp / "hf_datasets")
+        assert main(["--checkpoint", str(ckpt), "--tasks",
+                     "llm_jax_tiny_choice,llm_jax_tiny_text,llm_jax_tiny_until",
+                     "--include_path", ".", "--output_path", str(tmp / "out"),
+                     "--log_samples"]) == 0
     (results,) = (tmp / "out").rglob("results_*.json")
     samples = {}
     for task in ("choice", "text", "until"):

@@ -24,9 +24,8 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("chat") / "tiny")
 
 
-def _greedy(ckpt, messages: list[dict], n: int) -> str:
-    tok = load_tokenizer(ckpt)
-    ids = sample(load_pretrained(ckpt), tok.encode(tok.render(messages)), max_new_tokens=n)
+def _greedy(model, tok, messages: list[dict], n: int) -> str:
+    ids = sample(model, tok.encode(tok.render(messages)), max_new_tokens=n)
     cut = next((i for i, t in enumerate(ids) if t in tok.stop_ids), len(ids))
     return tok.decode(ids[:cut])
 
@@ -39,10 +38,11 @@ def test_replies_continue_the_templated_conversation_and_reset_forgets(ckpt):
     replies = [r.split("\nyou> ")[0].removesuffix(" [length]")
                for r in out.getvalue().split("assistant> ")[1:]]
     system = {"role": "system", "content": "be brief"}
-    first = _greedy(ckpt, [system, {"role": "user", "content": "the cat"}], 8)
-    second = _greedy(ckpt, [system, {"role": "user", "content": "the cat"},
-                            {"role": "assistant", "content": first},
-                            {"role": "user", "content": "and the dog"}], 8)
+    model, tok = load_pretrained(ckpt), load_tokenizer(ckpt)
+    first = _greedy(model, tok, [system, {"role": "user", "content": "the cat"}], 8)
+    second = _greedy(model, tok, [system, {"role": "user", "content": "the cat"},
+                                        {"role": "assistant", "content": first},
+                                        {"role": "user", "content": "and the dog"}], 8)
     assert replies == [first, second, first]
 
 

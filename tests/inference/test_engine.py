@@ -232,20 +232,29 @@ def test_recorded_log_probs_and_routing_are_what_a_training_forward_of_the_same_
     seqs = [engine.submit(Sequence(p, sp)) for p, sp in zip(PROMPTS, params)]
     engine.run_until_idle()
     assert {s.finish_reason for s in seqs} == {"length", "stop"}
+    # One training forward over the three sequences right-padded to one length (causal: the
+    # padding changes nothing before it), so one program serves them all; the replay feeds the
+    # recorded experts and, past each sequence, the forward's own.
     forward = jax.jit(lambda m, t, e: m(t, return_aux=True, experts_BTLk=e), static_argnums=0)
-    for seq, sp in zip(seqs, params):
-        sampled = seq.tokens + ([seq.stop_token] if seq.stop_token is not None else [])
-        full = seq.prompt + sampled
-        inputs = jnp.asarray([full[:-1]], jnp.int32)
-        logits, aux = forward(model, inputs, None)
+    fulls = [s.prompt + s.tokens + ([s.stop_token] if s.stop_token is not None else [])
+             for s in seqs]
+    width = max(len(f) for f in fulls) - 1
+    inputs = jnp.asarray([f[:-1] + [0] * (width - len(f) + 1) for f in fulls], jnp.int32)
+    logits, aux = forward(model, inputs, None)
+    routed = np.moveaxis(np.asarray(aux.experts), 0, 2)  # [B, T, L, k]
+    replay = routed.copy()
+    for b, (seq, sp, full) in enumerate(zip(seqs, params, fulls)):
+        sampled = full[len(seq.prompt):]
         temp = sp.temperature or 1.0
-        logp = jax.nn.log_softmax(logits[0] / temp)[np.arange(len(full) - 1), full[1:]]
+        n = len(full) - 1
+        logp = jax.nn.log_softmax(logits[b, :n] / temp)[np.arange(n), full[1:]]
         assert len(seq.logprobs) == len(sampled)
         np.testing.assert_allclose(seq.logprobs, logp[len(seq.prompt) - 1:], atol=2e-5)
         routing = np.stack(seq.routing)
-        assert routing.shape == (len(full) - 1, CFG.num_hidden_layers, CFG.experts_per_token)
-        np.testing.assert_array_equal(routing, np.moveaxis(np.asarray(aux.experts), 0, 2)[0])
-        replayed, _ = forward(model, inputs, jnp.asarray(routing[None]))
-        np.testing.assert_array_equal(replayed, logits)
+        assert routing.shape == (n, CFG.num_hidden_layers, CFG.experts_per_token)
+        np.testing.assert_array_equal(routing, routed[b, :n])
+        replay[b, :n] = routing
+    replayed, _ = forward(model, inputs, jnp.asarray(replay))
+    np.testing.assert_array_equal(replayed, logits)
     plain = run(Engine(model, ENGINE), PROMPTS[0], params[0])
     assert plain.tokens == seqs[0].tokens and plain.logprobs == [] and plain.routing == []

@@ -40,14 +40,25 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+FORCED_HEADERS = {  # what the server prefills for each forced tool_choice
+    "named": "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+    "required": "<|channel|>commentary to=functions."}
+
+
 @pytest.fixture(scope="module")
 def greedy(harmony_checkpoint):
-    """ids -> the messages of the greedy reply, generated in this process (no server) and
-    parsed whole by `harmony.parse`."""
+    """(prompt ids, prefill ids, n) -> the messages of the greedy reply, generated in this
+    process (no server) and parsed whole by `harmony.parse`. Every prompt the tests ask about
+    runs in one batched `sample` (a batch equals each prompt alone: test_generate), so one
+    program serves them all; a greedy reply of n tokens is the first n of a longer one."""
     model, tok = load_pretrained(harmony_checkpoint), load_tokenizer(harmony_checkpoint)
+    prompts = [tok.encode(tok.render(m[:-1], **o)) for o, m in HARMONY_CHATS]
+    forced = tok.encode(tok.render(HARMONY_CHATS[1][1][:1], tools=[WEATHER_TOOL]))
+    prompts += [forced + tok.encode(h) for h in FORCED_HEADERS.values()]
+    replies = dict(zip(map(tuple, prompts), sample(model, prompts, max_new_tokens=NEW)))
 
     def run(prompt: list[int], prefill: list[int] = (), n: int = NEW) -> list[harmony.Message]:
-        ids = [int(i) for i in sample(model, prompt, max_new_tokens=n)]
+        ids = [int(i) for i in replies[tuple(prompt)][:n]]
         cut = next((i for i, t in enumerate(ids) if t in tok.stop_ids), len(ids) - 1)
         return harmony.parse(tok.harmony, list(prefill) + ids[:cut + 1], tok.decode)
 
@@ -219,9 +230,7 @@ def test_a_forced_tool_call_is_what_the_model_writes_after_the_prefilled_header(
     out = client.chat.completions.create(model="h", messages=messages, tools=[WEATHER_TOOL],
                                          tool_choice=tool_choice, max_tokens=20,
                                          temperature=0)
-    header = ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-              if choice == "named" else "<|channel|>commentary to=functions.")
-    prefill = tok.encode(header)
+    prefill = tok.encode(FORCED_HEADERS[choice])
     want = run(tok.encode(tok.render(messages, tools=[WEATHER_TOOL])) + prefill, prefill, 20)
     got = [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls]
     # what the model writes past a header it was not trained to start with is its own; the

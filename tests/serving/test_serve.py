@@ -54,7 +54,10 @@ def reference(ckpt):
     model, tok = load_pretrained(ckpt), load_tokenizer(ckpt)
 
     def greedy(text: str, n: int) -> tuple[str, list[int]]:
-        ids = sample(model, tok.encode(text), max_new_tokens=n)
+        # The first n of 32 greedy tokens (a greedy reply of n is the start of a longer one):
+        # every reference shares one compiled program.
+        assert n <= 32
+        ids = sample(model, tok.encode(text), max_new_tokens=32)[:n]
         cut = next((i for i, t in enumerate(ids) if t in tok.stop_ids), len(ids))
         return tok.decode(ids[:cut]), ids[:cut]
 
