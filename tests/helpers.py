@@ -387,7 +387,6 @@ def start_server(args: list[str], log: Path):
     out.close()
 
 
-
 # ------------------------------------------- grouped_matmul's contract in plain JAX (model tests)
 
 def ragged_dot_grouped_matmul(x_MK, w_EKN, sizes_E, *, kernel=None, interpret=False, tile=None,
@@ -404,3 +403,25 @@ def ragged_dot_grouped_matmul(x_MK, w_EKN, sizes_E, *, kernel=None, interpret=Fa
         full = jnp.zeros((sizes_E.shape[0], *w_EKN.shape[1:]), w_EKN.dtype)
         w_EKN = jax.lax.dynamic_update_slice_in_dim(full, w_EKN, group_offset, 0)
     return jax.lax.ragged_dot(x_MK, w_EKN, sizes_E)
+
+
+# ------------------------------------------- a run stopped as if preempted, after a given step
+
+def stop_after_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Makes the next `loop.train` of this process stop as a preemption does, once the metrics
+    of `step` are written (its log_every_steps must log that step): SIGTERM to this process, so
+    the run saves that step and raises `Interrupted`. Undo with `monkeypatch.undo()`. A run
+    stopped and then resumed with one config compiles one train step; a run extended to more
+    steps would compile a second (num_steps sets its learning-rate schedule)."""
+    import signal
+
+    from llm_jax.training.metrics import MetricsWriter
+
+    write = MetricsWriter.write
+
+    def write_then_stop(self, done, record):
+        write(self, done, record)
+        if done == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(MetricsWriter, "write", write_then_stop)

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from flax import nnx  # noqa: E402
+from helpers import stop_after_step  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
 from llm_jax.data.hf_tokenizer import HFTokenizer  # noqa: E402
@@ -39,6 +40,7 @@ from llm_jax.model.lora import LoRAParam, add_lora  # noqa: E402
 from llm_jax.training.finetune import restore_finetuned  # noqa: E402
 from llm_jax.training.loop import train  # noqa: E402
 from llm_jax.training.metrics import read_metrics  # noqa: E402
+from llm_jax.training.preemption import Interrupted  # noqa: E402
 from llm_jax.training.step import eval_step, loss_fn, target_mask  # noqa: E402
 from llm_jax.weights.adapters import load_adapters, merge_lora, save_adapters  # noqa: E402
 from llm_jax.weights.writers import save_hf  # noqa: E402
@@ -249,11 +251,14 @@ def test_full_sft_lowers_assistant_loss(ckpt, jsonl, base_loss, tmp_path):
 
 
 def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl, base_loss,
-                                                                    tmp_path):
+                                                                    tmp_path, monkeypatch):
     src = tmp_path / "ckpt"
     shutil.copytree(ckpt, src)
-    cfg = _config("finetune_lora", src, jsonl, num_steps=12, learning_rate=3e-2)
-    train(cfg, str(tmp_path / "run"))
+    cfg = _config("finetune_lora", src, jsonl, num_steps=14, learning_rate=3e-2)
+    stop_after_step(monkeypatch, 12)  # then resumed: one compiled step for both
+    with pytest.raises(Interrupted, match="after step 12"):
+        train(cfg, str(tmp_path / "run"))
+    monkeypatch.undo()
     model, run = restore_finetuned(str(tmp_path / "run"))
     base = load_pretrained(ckpt)
     before, after = base_loss, _assistant_loss(model, ckpt, jsonl)
@@ -274,9 +279,9 @@ def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl
     assert (tmp_path / "ad" / "adapters.safetensors").is_file()
     # Resuming reads the workdir's checkpoint, not init_from (gone now).
     (src / "model.safetensors").unlink()
-    cfg.train.num_steps = 14
     train(cfg, str(tmp_path / "run"))
-    assert len(_losses(tmp_path / "run")) == 14
+    assert [r["step"] for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))] == list(
+        range(1, 15))
 
 
 def test_init_from_shape_override_is_refused(ckpt, jsonl, tmp_path):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import SMALL_MODEL, read_records, tiny_train
+from helpers import SMALL_MODEL, read_records, stop_after_step, tiny_train
 
 from llm_jax.data.preference_synthetic import write_synthetic_preferences
 from llm_jax.execution import ExecutionConfig
@@ -22,6 +22,7 @@ from llm_jax.model import init_model
 from llm_jax.model.lora import LoRAParam, add_lora
 from llm_jax.parallel.sharding import mesh_from_config
 from llm_jax.training.loop import train
+from llm_jax.training.preemption import Interrupted
 from llm_jax.training.preference import (
     PreferenceConfig,
     adapters_off,
@@ -246,7 +247,7 @@ def dpo_run_config(data_dir, **changes):
                    validation_fraction=0.2, beta=0.5)
     cfg.data.seq_len = 48
     cfg.train.update(num_steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5,
-                     weight_decay=0.0, log_every_steps=60, eval_every_steps=60, eval_batches=5,
+                     weight_decay=0.0, log_every_steps=10, eval_every_steps=10, eval_batches=5,
                      num_samples=0, peak_flops=1e11)
     cfg.checkpoint.update(every_steps=60, async_save=False, checksums=False)
     for key, value in changes.items():
@@ -255,18 +256,25 @@ def dpo_run_config(data_dir, **changes):
     return cfg
 
 
-def test_full_fine_tuning_dpo_learns_the_held_out_preferences_and_resumes(tmp_path):
+def test_full_fine_tuning_dpo_learns_the_held_out_preferences_and_resumes(tmp_path,
+                                                                           monkeypatch):
     write_synthetic_preferences(tmp_path / "data")
     workdir = tmp_path / "run"
-    train(dpo_run_config(tmp_path / "data", **{"train.num_steps": 10}), str(workdir))
+    # Stopped after step 10 as a preemption stops it, then resumed with the same config: one
+    # compiled train step for both.
+    cfg = dpo_run_config(tmp_path / "data")
+    stop_after_step(monkeypatch, 10)
+    with pytest.raises(Interrupted, match="after step 10"):
+        train(cfg, str(workdir))
+    monkeypatch.undo()
     reference = workdir / "dpo_reference" / "process_0-of-1.npz"
     assert reference.exists()
     reference.touch()
     before = reference.stat().st_mtime_ns
-    last = train(dpo_run_config(tmp_path / "data"), str(workdir))  # resumes at step 10
+    last = train(cfg, str(workdir))  # resumes at step 10
     assert reference.stat().st_mtime_ns == before  # read, not computed again
     records = read_records(workdir)
-    assert [r["step"] for r in records] == [1, 10, 11, 60]
+    assert [r["step"] for r in records] == [1, 10, 11, 20, 30, 40, 50, 60]
     assert records[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)  # policy = reference
     assert records[1]["val_preference_accuracy"] < 0.8 <= 0.9 <= last["val_preference_accuracy"]
     assert last["val_reward_margin"] > 0

@@ -11,7 +11,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SMALL_MODEL, read_records, small_cfg
+from helpers import SMALL_MODEL, read_records, small_cfg, stop_after_step
 
 from llm_jax import generate
 from llm_jax.export import export
@@ -19,6 +19,7 @@ from llm_jax.inference.sampler import sample
 from llm_jax.model import init_model
 from llm_jax.training.finetune import restore_finetuned
 from llm_jax.training.loop import train
+from llm_jax.training.preemption import Interrupted
 from llm_jax.weights.adapters import load_adapters
 from llm_jax.weights.flat import flat_params
 from llm_jax.weights.readers import load_pretrained
@@ -45,9 +46,13 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(corpus_dir, ckpt, tmp_path_factory):
-    """A QLoRA run of 6 steps from `ckpt` (checkpoints at steps 3 and 6)."""
+    """A QLoRA run of 8 steps from `ckpt` stopped after step 6 (checkpoints at steps 3 and 6),
+    as a preemption stops it; test_qlora_run_resumes_from_its_orbax_checkpoint resumes it."""
     workdir = tmp_path_factory.mktemp("qlora")
-    train(_cfg(corpus_dir, ckpt, 6), str(workdir))
+    with pytest.MonkeyPatch.context() as mp:
+        stop_after_step(mp, 6)
+        with pytest.raises(Interrupted, match="after step 6"):
+            train(_cfg(corpus_dir, ckpt, 8), str(workdir))
     return workdir
 
 
@@ -131,6 +136,7 @@ def test_full_finetune_of_packed_experts_is_refused_by_name(corpus_dir, ckpt, tm
 
 
 def test_qlora_run_resumes_from_its_orbax_checkpoint(corpus_dir, ckpt, run):
-    train(_cfg(corpus_dir, ckpt, 8), str(run))  # restores step 6: packed params, adapters, Adam
+    # Restores step 6 (packed params, adapters, Adam) and runs the same compiled step on.
+    train(_cfg(corpus_dir, ckpt, 8), str(run))
     assert [r["step"] for r in read_records(run)][-2:] == [7, 8]
     assert restore_finetuned(str(run))[0].cfg.expert_format == "mxfp4"

@@ -29,7 +29,7 @@ from llm_jax.training.loop import train
 from llm_jax.training.preemption import Interrupted
 from llm_jax.training.run_config import default_run_config, rl_enabled, validate_run_config
 
-NUM_STEPS = 3
+NUM_STEPS = 2
 # Metrics that time the run rather than compute it: they differ between any two runs.
 TIMINGS = ("rollout_tokens_per_sec", "rollout_time", "update_to_first_token", "step_time",
            "rollout_share")
@@ -95,7 +95,7 @@ def uninterrupted(tmp_path_factory, tokenizer_dir):
 
 def test_an_rl_run_logs_rewards_and_updates_its_params(uninterrupted, tokenizer_dir):
     d, records, params = uninterrupted
-    assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0: the evaluation before RL
+    assert [r["step"] for r in records] == [0, 1, 2]  # step 0: the evaluation before RL
     assert "eval_pass_rate" in records[0] and "eval_pass_rate" in records[2]
     last = records[-1]
     for key in ("reward_mean", "reward_std", "reward_even", "reward_format", "pass_rate",
@@ -137,9 +137,9 @@ def test_a_run_stopped_and_resumed_ends_as_the_uninterrupted_one(uninterrupted, 
                                                                   tmp_path, even):
     _, records, params = uninterrupted
     # Scored in order: the step-0 evaluation's 2 completions, then 2 prompts x 4 a step: the
-    # 12th call is inside step 2, which finishes and saves before the run stops.
-    even.stop_after = 2 + 8 + 2
-    with pytest.raises(Interrupted, match="after RL step 2"):
+    # 4th call is inside step 1, which finishes and saves before the run stops.
+    even.stop_after = 2 + 2
+    with pytest.raises(Interrupted, match="after RL step 1"):
         train(rl_config(tokenizer_dir), str(tmp_path))
     even.stop_after = None
     train(rl_config(tokenizer_dir), str(tmp_path))
@@ -169,7 +169,7 @@ def test_a_failing_reward_stops_the_run_by_name_and_keeps_the_checkpoints(
     cfg = rl_config(tokenizer_dir)
     cfg.train.num_steps = NUM_STEPS + 1
     with pytest.raises(rewards.RewardError, match="reward 'even' returned nan on example "
-                                                  "'arithmetic:train:6'"):
+                                                  "'arithmetic:train:4'"):
         train(cfg, str(work))
     assert sorted(os.listdir(work / "checkpoints")) == before
     for a, b in zip(final_params(work), params):

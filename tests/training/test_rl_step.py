@@ -6,7 +6,6 @@ entry (float32; the two paths sum the vocabulary in different orders)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 from helpers import SMALL_MODEL
 
@@ -44,25 +43,36 @@ def plain(model, batch, cfg):
                        cfg, logp_ref_BT=batch["ref_logp"], logp_sampler_BT=batch["sampler_logp"])
 
 
-@pytest.mark.parametrize("cfg, replay", [
+# Both checked in one compiled program (one compile, one model, one rollout batch).
+CASES = [
     (PolicyLossConfig(), False),
     (PolicyLossConfig(ratio="sequence", aggregation="sequence", beta=0.05, importance_cap=2.0),
      True),
-])
-def test_value_and_gradients_equal_the_plain_full_logits_computation(cfg, replay):
+]
+
+
+def test_value_and_gradients_equal_the_plain_full_logits_computation():
     model = init_model(SMALL_MODEL, seed=1)
-    batch = rollout_batch(model, replay=replay)
+    replayed = rollout_batch(model, replay=True)
+    own = {k: v for k, v in replayed.items() if k != "experts"}  # the model's own routing
 
     @nnx.jit
-    def both(model, batch):
-        fused = nnx.value_and_grad(lambda m: policy_objective(m, batch, cfg,
-                                                              temperature=TEMP)[0])(model)
-        ref = nnx.value_and_grad(lambda m: plain(m, batch, cfg)[0])(model)
-        return fused, ref
+    def both(model, own, replayed):
+        out = []
+        for cfg, replay in CASES:
+            batch = replayed if replay else own
+            fused = nnx.value_and_grad(lambda m: policy_objective(m, batch, cfg,
+                                                                  temperature=TEMP)[0])(model)
+            ref = nnx.value_and_grad(lambda m: plain(m, batch, cfg)[0])(model)
+            out.append((fused, ref))
+        return out
 
-    (value, grads), (ref_value, ref_grads) = both(model, batch)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
-    assert len(flat) == len(ref_flat) and max(np.abs(g).max() for g in ref_flat) > 1e-3
-    for g, r in zip(flat, ref_flat):
-        np.testing.assert_allclose(g, r, atol=2e-5 * max(np.abs(r).max(), 1e-6), rtol=0)
+    for (cfg, replay), ((value, grads), (ref_value, ref_grads)) in zip(
+            CASES, both(model, own, replayed)):
+        msg = f"{cfg}, replay={replay}"
+        np.testing.assert_allclose(value, ref_value, rtol=1e-5, err_msg=msg)
+        flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+        assert len(flat) == len(ref_flat) and max(np.abs(g).max() for g in ref_flat) > 1e-3
+        for g, r in zip(flat, ref_flat):
+            np.testing.assert_allclose(g, r, atol=2e-5 * max(np.abs(r).max(), 1e-6), rtol=0,
+                                       err_msg=msg)

@@ -45,7 +45,7 @@ def test_the_batch_holds_what_the_trainer_computes_for_the_same_rows(model):
 
 
 def test_an_engine_given_new_weights_decodes_with_them(model):
-    engine = Engine(model, EngineConfig(slots=2, max_len=32))
+    engine = Engine(model, ENGINE)  # the programs the rollouts above compiled
     other = init_model(SMALL_MODEL, seed=1)
     engine.set_weights(other)
     greedy = SamplingParams(max_new_tokens=6)

@@ -99,16 +99,26 @@ def _as_written_before_execution_config(workdir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def three_steps(corpus_dir, tmp_path_factory) -> str:
-    """A workdir of small_run_config's first 3 steps, checkpointed at step 3 (copy it)."""
+def straight(corpus_dir, tmp_path_factory) -> str:
+    """A workdir of small_run_config's 6 steps in one run, checkpointed at steps 3 and 6."""
+    workdir = str(tmp_path_factory.mktemp("straight") / "run")
+    train(small_run_config(corpus_dir, num_steps=6), workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def three_steps(straight, tmp_path_factory) -> str:
+    """The straight run as it stood after step 3 (copy it): its checkpoint of step 6 removed,
+    as if the run had stopped there (a resume drops the metrics logged after its step)."""
     workdir = str(tmp_path_factory.mktemp("three_steps") / "run")
-    train(small_run_config(corpus_dir, num_steps=3), workdir)
+    shutil.copytree(straight, workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))
     return workdir
 
 
 @pytest.mark.slow
-def test_resume_is_exact_with_any_execution_and_from_older_checkpoints(corpus_dir, three_steps,
-                                                                       tmp_path):
+def test_resume_is_exact_with_any_execution_and_from_older_checkpoints(corpus_dir, straight,
+                                                                       three_steps, tmp_path):
     """2N steps in one run == N steps, restart, N more: bitwise equal losses and params.
 
     How the model runs is no part of what it is. Resumed from checkpoints whose saved model
@@ -118,8 +128,6 @@ def test_resume_is_exact_with_any_execution_and_from_older_checkpoints(corpus_di
     function in another order: XLA:CPU fuses the recomputed or unrolled layers differently, so
     the params differ in the last bits (measured: 4.2e-7 after 3 steps), never more."""
     n = 3
-    straight = str(tmp_path / "straight")
-    train(small_run_config(corpus_dir, num_steps=2 * n), straight)
     _, p_straight, _ = restore_params(straight)
     bitwise = small_run_config(corpus_dir, num_steps=2 * n)
     bitwise.execution.update(gmm_tile_m=256, gmm_tile_k=256, gmm_tile_n=256,
@@ -159,9 +167,9 @@ def test_train_cli_end_to_end(corpus_dir, tmp_path):
     overrides = {
         **SMALL_MODEL_OVERRIDES, "data.files": os.path.join(corpus_dir, "*"), "data.validation_fraction": 0.2,
         "data.seq_len": 32, "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS,
-        "train.batch_size": 8, "train.num_steps": 30,
-        "train.warmup_steps": 5, "train.learning_rate": 1e-2, "train.log_every_steps": 5,
-        "train.eval_every_steps": 15, "train.eval_batches": 2, "checkpoint.every_steps": 15,
+        "train.batch_size": 8, "train.num_steps": 16,
+        "train.warmup_steps": 4, "train.learning_rate": 1e-2, "train.log_every_steps": 4,
+        "train.eval_every_steps": 8, "train.eval_batches": 2, "checkpoint.every_steps": 8,
     }
     cmd = [sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
            f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
@@ -185,11 +193,11 @@ def test_train_cli_end_to_end(corpus_dir, tmp_path):
     assert host_malloc != "system", host_malloc  # a preloaded library or "glibc (tuned)"
 
     ckpt = Checkpointer(str(workdir), create=False)
-    assert ckpt.all_steps() == [15, 30]
-    saved = ckpt.restore_config(30)
-    assert saved["model"]["hidden_size"] == 32 and saved["train"]["num_steps"] == 30
-    assert ckpt.restore_tokenizer_proto(30) == (workdir / "tokenizer.model").read_bytes()
-    assert (workdir / "checkpoints" / "30" / "data").is_dir()
+    assert ckpt.all_steps() == [8, 16]
+    saved = ckpt.restore_config(16)
+    assert saved["model"]["hidden_size"] == 32 and saved["train"]["num_steps"] == 16
+    assert ckpt.restore_tokenizer_proto(16) == (workdir / "tokenizer.model").read_bytes()
+    assert (workdir / "checkpoints" / "16" / "data").is_dir()
     ckpt.close()
 
     # The workdir loads as a pretrained model, with the trained config.
