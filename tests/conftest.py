@@ -2,13 +2,12 @@
 
 import os
 
+from xla_flags import FAST_XLA_FLAGS
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU's cheapest code generation for the whole suite, in process and in the command lines it
-# starts (they inherit the environment): the tests compile hundreds of small programs and run
-# each a few times, so compiling dominates, and these flags halve it. The programs compute the
-# same float32 operations; only LLVM's optimisation of the generated loops is skipped. A test
-# that sets XLA_FLAGS itself keeps its own.
-FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA:CPU's cheapest code generation (tests/xla_flags.py) for the whole suite, in process and in
+# the command lines it starts (they inherit the environment). A test that sets XLA_FLAGS itself
+# keeps its own.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_XLA_FLAGS}".strip()
 

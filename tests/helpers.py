@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 import pytest
 import tokenizers
+from xla_flags import EIGHT_DEVICES, FAST_XLA_FLAGS  # noqa: F401  (the suite's XLA:CPU flags)
 
 from llm_jax.config import ModelConfig
 from llm_jax.execution import ExecutionConfig
@@ -93,13 +94,6 @@ NEEDS_LIBTPU = pytest.mark.skipif(
 
 
 # ----------------------------------------------------------------- sharding and many devices
-
-# Eight CPU devices; XLA's cheapest CPU codegen, since these programs are compiled once and run
-# three times (halves the compile time; the numerics are the same IEEE float32 ops).
-EIGHT_DEVICES = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                 "--xla_llvm_disable_expensive_passes=true")
-FAST_XLA = EIGHT_DEVICES.replace("--xla_force_host_platform_device_count=8 ", "")
-
 
 def tiny_model(**changes) -> ModelConfig:
     base = dict(num_hidden_layers=2, num_experts=8, experts_per_token=2, vocab_size=128,

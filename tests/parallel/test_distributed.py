@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # helpers,
 
 from helpers import (  # noqa: E402
     EIGHT_DEVICES,
-    FAST_XLA,
+    FAST_XLA_FLAGS,
     batches,
     tiny_execution,
     tiny_model,
@@ -53,7 +53,7 @@ def test_two_processes_train_like_one_process_and_their_checkpoint_restores_on_o
     runs off the cache): both runs compute a psum across the processes first, and each must
     finish it well within the timeout."""
     single, multi = tmp_path / "single", tmp_path / "multi"
-    env = {"XLA_FLAGS": FAST_XLA, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
+    env = {"XLA_FLAGS": FAST_XLA_FLAGS, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     launch = [sys.executable, str(ROOT / "launch" / "local.py"), "--num_processes", "2",
               "--devices_per_process", "4", "--timeout", "280", "--", sys.executable, __file__]

@@ -27,7 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))
 
 from cli_forks import CliForks  # noqa: E402
-from helpers import FAST_XLA, OVERRIDES, ROOT, complete_steps, read_records, saved_params  # noqa: E402
+from helpers import FAST_XLA_FLAGS, OVERRIDES, ROOT, complete_steps, read_records, saved_params  # noqa: E402
 from local import free_port  # noqa: E402
 
 from llm_jax.weights.checkpointing import tmp_leftovers  # noqa: E402
@@ -40,10 +40,10 @@ RNG = np.random.default_rng(16)
 @pytest.fixture(scope="module")
 def cli():
     """The command line's processes, each forked after the imports (cli_forks); one CPU device
-    each, cheap compiles (FAST_XLA, the same for every run), and faulthandler on: a process
+    each, cheap compiles (FAST_XLA_FLAGS, the same for every run), and faulthandler on: a process
     that hangs is sent SIGABRT and prints every thread's Python stack into its log
     (`Job.hung`)."""
-    server = CliForks({"JAX_NUM_CPU_DEVICES": "1", "XLA_FLAGS": FAST_XLA,
+    server = CliForks({"JAX_NUM_CPU_DEVICES": "1", "XLA_FLAGS": FAST_XLA_FLAGS,
                        "PYTHONFAULTHANDLER": "1"})
     yield server
     server.close()
