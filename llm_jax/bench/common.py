@@ -28,7 +28,8 @@ def load_average() -> list[float]:
 def machine() -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+            "python": platform.python_version(), "jax": jax.__version__,
+            "devices": [str(d) for d in jax.devices()],
             "load_average": load_average(), "malloc": active_malloc()}
 
 

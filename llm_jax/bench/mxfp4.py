@@ -163,7 +163,7 @@ def _phase(phases: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) 
 
 def measure(*, phases: dict[str, Any], directory: str, prompt_len: int, new_tokens: int,
             batches: tuple[int, ...], decode_prompt_len: int, lora_seq: int, lora_rank: int,
-            seed: int = 0, decode_repeats: int = DECODE_REPEATS) -> dict[str, Any]:
+            seed: int = 0) -> dict[str, Any]:
     """Load, prefill, decode and a QLoRA step of the checkpoint in `directory`, each with the
     seconds it took and its peak RSS; fills `phases` as it goes (the watchdog reports them)."""
     import jax
@@ -202,7 +202,7 @@ def measure(*, phases: dict[str, Any], directory: str, prompt_len: int, new_toke
                                                   init_cache(cfg, b, cache_len))[0])
         return lambda: jax.block_until_ready(fn(state, tokens, lengths))
 
-    def best_of(fn: Callable[[], Any], repeats: int = decode_repeats) -> dict[str, float]:
+    def best_of(fn: Callable[[], Any], repeats: int = DECODE_REPEATS) -> dict[str, float]:
         """The first call (compiles) and the fastest of `repeats` more."""
         t0 = time.perf_counter()
         out = fn()
@@ -221,7 +221,7 @@ def measure(*, phases: dict[str, Any], directory: str, prompt_len: int, new_toke
         def decode(b: int = b) -> dict[str, Any]:
             # Decode steps = sample(new_tokens) - sample(1): the same program family (prefill,
             # first token, loop) with equal cache slots, so the difference is new_tokens - 1
-            # decode steps and nothing else. Best of `decode_repeats` each: on a shared
+            # decode steps and nothing else. Best of `DECODE_REPEATS` each: on a shared
             # machine the fastest run is the one least disturbed.
             prompts = rng.integers(4, cfg.vocab_size, (b, decode_prompt_len)).astype(np.int32)
             max_len = decode_prompt_len + new_tokens
@@ -310,7 +310,7 @@ def run(*, directory: str | None, quick: bool, layers: int | None, prompt_len: i
         new_tokens: int, batches: tuple[int, ...], lora_seq: int, lora_rank: int,
         rss_cap_gib: float, hf: bool, hf_rss_cap_gib: float, delete: bool) -> dict[str, Any]:
     cfg = gpt_oss_20b_config()
-    decode_prompt_len, decode_repeats = 16, DECODE_REPEATS
+    decode_prompt_len = 16
     if quick:
         cfg = quick_model_config().replace(dtype="bfloat16", param_dtype="bfloat16")
         # 256 new tokens: enough decode steps that their time stands clear of a loaded
@@ -332,7 +332,7 @@ def run(*, directory: str | None, quick: bool, layers: int | None, prompt_len: i
         result = run_capped(measure, int(rss_cap_gib * GIB), directory=str(path),
                             prompt_len=prompt_len, new_tokens=new_tokens, batches=batches,
                             decode_prompt_len=decode_prompt_len, lora_seq=lora_seq,
-                            lora_rank=lora_rank, decode_repeats=decode_repeats)
+                            lora_rank=lora_rank)
         hf_result = (run_capped(hf_load, int(hf_rss_cap_gib * GIB), directory=str(path))
                      if hf else None)
     finally:
