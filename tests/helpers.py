@@ -289,7 +289,7 @@ def make_harmony_checkpoint(d: Path, steps: int = 80) -> Path:
         return jax.lax.scan(step, (params, tx.init(params)), None, length=steps)[0][0]
 
     # Every step in one program, compiled with LLVM's optimisations: the suite's cheap code
-    # generation (conftest.FAST_XLA_FLAGS) runs these 80 steps 4x slower than it saves compiling.
+    # generation (tests/xla_flags.py) runs these 80 steps 4x slower than it saves compiling.
     compiled = jax.jit(train).lower(params, rest, ids, mask).compile(
         {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False})
     nnx.update(model, compiled(params, rest, ids, mask))

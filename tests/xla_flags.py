@@ -1,7 +1,7 @@
 """XLA:CPU's cheapest code generation, for the suite and the processes it starts.
 
 The tests compile hundreds of small programs and run each a few times, so compiling dominates
-(about 85 % of the suite's in-process CPU time). These flags skip LLVM's optimisation of the
+the suite's CPU time. These flags skip LLVM's optimisation of the
 generated loops, which halves a compile. jaxlib 0.10's XLA:CPU also still has its elemental IR
 emitters beside the newer fusion emitters: they compile the suite's programs about 3x faster
 and run them about as fast, with the same results (a train step's loss to the last bit). Later
