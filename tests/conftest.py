@@ -31,6 +31,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Grain worker processes read absl flags; unparsed flags raise UnparsedFlagAccessError there.
 flags.FLAGS.mark_as_parsed()
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with a `slow` test run first, each module's tests still together and in file
+    order. Under `-n 2 --dist loadscope` a worker takes the next whole module as it frees up:
+    a long module handed out last would leave one worker running it alone while the other
+    idles, so the long ones go out while the short ones can still even out the ends."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
+
+
 # Small, stable standard-library modules: real code with docstrings, indentation, unicode.
 _MODULES = ["json/__init__.py", "json/decoder.py", "json/encoder.py", "json/scanner.py",
             "json/tool.py", "bisect.py", "colorsys.py", "keyword.py", "textwrap.py", "this.py"]

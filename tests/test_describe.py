@@ -381,6 +381,7 @@ print(json.dumps(rows + [row]))
 """
 
 
+@pytest.mark.slow
 def test_memory_estimate_is_within_15_percent_of_the_compiled_train_step_and_follows_rules():
     """Every case within 15 %. The last: with fsdp no longer splitting the weights, every device
     holds the whole frozen base; the estimate that reads RULES follows, one priced by the old

@@ -68,6 +68,7 @@ EXTRA_ARGS = {"train": ["--dtypes", "float32"], "decode": ["--no_hf", "--mxfp4"]
               "malloc": ["--mallocs", "system,glibc"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", list(EXPECTED))
 def test_bench_quick_writes_json_with_expected_keys(command, tmp_path, capsys):
     out = tmp_path / f"{command}.json"

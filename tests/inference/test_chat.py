@@ -30,6 +30,7 @@ def _greedy(model, tok, messages: list[dict], n: int) -> str:
     return tok.decode(ids[:cut])
 
 
+@pytest.mark.slow
 def test_replies_continue_the_templated_conversation_and_reset_forgets(ckpt):
     out = io.StringIO()
     stdin = io.StringIO("the cat\nand the dog\n/reset\nthe cat\n")

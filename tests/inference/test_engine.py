@@ -74,6 +74,7 @@ def test_greedy_tokens_are_the_same_alone_and_after_joining_a_busy_batch(engine)
     assert engine.stats()["free_slots"] == ENGINE.slots
 
 
+@pytest.mark.slow
 def test_sampled_tokens_equal_sample_with_the_same_seed(model, engine):
     for top_p in (1.0, 0.9):
         params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=top_p, seed=3)

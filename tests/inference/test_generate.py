@@ -141,6 +141,7 @@ def test_long_prompts_prefill_block_sparse_and_continue_like_full_recompute(mode
 
 
 # ---------------------------------------------------------------------- transformers
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers_generate(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

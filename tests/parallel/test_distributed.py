@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # helpers, as a script too
@@ -41,6 +42,7 @@ def _run(cmd, env_extra, timeout=300):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_process_and_their_checkpoint_restores_on_other_meshes(
         tmp_path):
     """The two-process run, then one eight-device process that trains the same steps and

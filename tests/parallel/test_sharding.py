@@ -211,6 +211,7 @@ def check_bad_divisibility(r: dict) -> None:
     assert "data=8xfsdp=1xexpert=1 = 8" in r["batch"], r
 
 
+@pytest.mark.slow
 def test_eight_devices_compute_what_one_device_does():
     """Every mesh trains exactly like one device; expert-parallel (dense and packed mxfp4)
     MoE, the vocabulary-split loss and decoding with a sharded cache equal one device's; bad

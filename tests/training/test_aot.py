@@ -79,6 +79,7 @@ def test_topology_names_follow_cloud_tpu_accelerator_types():
         aot.topology_name("h100-8")
 
 
+@pytest.mark.slow
 def test_train_step_compiles_for_eight_cpu_devices(tmp_path):
     hlo = tmp_path / "step.hlo.txt"
     out = cli("--cpu_devices", "8", "--mesh", "data=2,tensor=2,expert=-1",

@@ -250,6 +250,7 @@ def test_full_sft_lowers_assistant_loss(ckpt, jsonl, base_loss, tmp_path):
     assert after < before - 0.5
 
 
+@pytest.mark.slow
 def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl, base_loss,
                                                                     tmp_path, monkeypatch):
     src = tmp_path / "ckpt"

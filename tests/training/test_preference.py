@@ -256,6 +256,7 @@ def dpo_run_config(data_dir, **changes):
     return cfg
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_dpo_learns_the_held_out_preferences_and_resumes(tmp_path,
                                                                            monkeypatch):
     write_synthetic_preferences(tmp_path / "data")

@@ -93,6 +93,7 @@ def uninterrupted(tmp_path_factory, tokenizer_dir):
     return d, read_records(d), final_params(d)
 
 
+@pytest.mark.slow
 def test_an_rl_run_logs_rewards_and_updates_its_params(uninterrupted, tokenizer_dir):
     d, records, params = uninterrupted
     assert [r["step"] for r in records] == [0, 1, 2]  # step 0: the evaluation before RL

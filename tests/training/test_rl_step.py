@@ -6,6 +6,7 @@ entry (float32; the two paths sum the vocabulary in different orders)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from helpers import SMALL_MODEL
 
@@ -51,6 +52,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 def test_value_and_gradients_equal_the_plain_full_logits_computation():
     model = init_model(SMALL_MODEL, seed=1)
     replayed = rollout_batch(model, replay=True)
