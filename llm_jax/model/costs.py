@@ -29,6 +29,7 @@ from llm_jax.model.mxfp4 import BITS_PER_VALUE
 from llm_jax.model.params import TRAINABLE
 from llm_jax.model.select import auto_moe
 from llm_jax.model.transformer import Transformer, abstract_model
+from llm_jax.model.unembed_loss import chunk_steps, chunks_per_group, vocab_split
 from llm_jax.parallel.sharding import MESH_AXES, logical_axes, logical_to_spec, spec_axes
 from llm_jax.runtime.backend import compiling_for
 from llm_jax.runtime.units import format_si
@@ -285,7 +286,8 @@ MEMORY_ASSUMPTIONS = (
     "into the parameters' layout for the optimizer update, both live at once (the other "
     "layer parameters' gradients, and LoRA adapters', feed the update as they are)",
     "working: the larger of one group of loss chunks ([tokens, vocab] float32 logits and "
-    "their gradient) and one layer's backward pass: WORKING x what the layer saves (its "
+    "the group's gradients; one chunk a group where the loss splits by vocabulary) and one "
+    "layer's backward pass: WORKING x what the layer saves (its "
     "gradients as its saved set is freed), or with remat REMAT_WORKING x what it saves without "
     "remat (the recomputed set and its gradients); factors fitted to XLA:CPU's compiled "
     "schedule, TPU_WORKING and TPU_REMAT_WORKING to XLA:TPU's (libtpu), which holds less",
@@ -350,9 +352,8 @@ REMAT_WORKING = 1.4
 
 # The same on TPU, fitted to libtpu 0.0.42.1's compiled steps (docs/scaling.md, "Memory per
 # device"): without remat the small model's step on v5e-4 holds no more than its saved set
-# (+5 % with 0, +17 % with 0.5); with remat, the recomputed layer and its gradients (1.4 puts
-# gpt-oss-120b's 2-layer step on v5p-64 19 % over, 1.0 within 4 %; at full depth the loss
-# chunks are the larger term either way).
+# (+4 % with 0, +19 % with 0.5); with remat, the recomputed layer and its gradients and no
+# more (1.4 puts the 2-layer gpt-oss steps 21 % (120b) and 35 % (20b) over, 1.0 within 9 %).
 TPU_WORKING = 0.0
 TPU_REMAT_WORKING = 1.0
 
@@ -409,6 +410,27 @@ def state_bytes(cfg: ModelConfig, mesh: dict[str, int],
                                    if _is_expert_stack(v))}
 
 
+def _abstract_mesh(mesh: dict[str, int]) -> jax.sharding.AbstractMesh:
+    """`mesh` with Auto axes, as the train step's mesh (sharding.make_mesh): jax 0.12's default,
+    Explicit, would make every sharding constraint an assertion."""
+    return jax.sharding.AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES,
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def _loss_bytes(cfg: ModelConfig, execution: ExecutionConfig, batch: int, seq_len: int,
+                mesh: dict[str, int], batch_shards: int) -> float:
+    """One group of the fused loss's chunks on a device (model/unembed_loss.py): k chunks of
+    logit gradients and one of float32 logits, [tokens, vocab / tensor] each, priced as float32;
+    k = 1 where the loss splits by vocabulary (groups would only hold more)."""
+    c = chunk_steps(batch, seq_len, execution.loss_chunk_tokens, batch_shards)
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(mesh)):
+        split = vocab_split(batch, cfg.vocab_size)
+    k = chunks_per_group(-(-seq_len // c), 1 if split is not None else
+                         execution.loss_group_chunks)
+    vocab = cfg.vocab_size / _shard_count((cfg.vocab_size,), ("vocab",), mesh)
+    return (k + 1) * batch // batch_shards * c * vocab * 4
+
+
 def _saved_activations(cfg: ModelConfig, execution: ExecutionConfig,
                        adapters: Adapters | None, batch: int, seq_len: int,
                        mesh: dict[str, int], platform: str) -> tuple[float, float]:
@@ -425,13 +447,9 @@ def _saved_activations(cfg: ModelConfig, execution: ExecutionConfig,
         return m.cross_entropy_sum(h, tokens) + aux.load_balancing_loss.mean() \
             + aux.router_z_loss.mean()
 
-    # Auto axes, as the train step's mesh (sharding.make_mesh): jax 0.12's default, Explicit,
-    # would make every sharding constraint an assertion.
-    abstract = jax.sharding.AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES,
-                                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     n = batch * seq_len
-    with jax.sharding.use_abstract_mesh(abstract), compiling_for(platform):
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(mesh)), compiling_for(platform):
         saved = saved_residuals(loss, params, tokens)
         dispatch = (execution.moe_dispatch if execution.moe_dispatch != "auto"
                     else auto_moe(cfg, n))
@@ -484,9 +502,7 @@ def memory_per_device(
     else:  # the last layer's gradients, as its saved set is freed
         layer *= working
     tokens = batch // batch_shards * seq_len
-    vocab = cfg.vocab_size / _shard_count((cfg.vocab_size,), ("vocab",), mesh)
-    loss = (execution.loss_group_chunks + 1) * min(tokens, execution.loss_chunk_tokens) \
-        * vocab * 4
+    loss = _loss_bytes(cfg, execution, batch, seq_len, mesh, batch_shards)
     grads = state["trained"]
     if platform == "tpu" and execution.scan_layers:  # the scan's expert gradients, then the
         grads += state["trained_experts"]  # params' layout
