@@ -285,17 +285,18 @@ MEMORY_ASSUMPTIONS = (
     "backward scan accumulates them in the layout its loop writes, and XLA:TPU copies them "
     "into the parameters' layout for the optimizer update, both live at once (the other "
     "layer parameters' gradients, and LoRA adapters', feed the update as they are)",
-    "working: the larger of one group of loss chunks ([tokens, vocab] float32 logits and "
-    "the group's gradients; one chunk a group where the loss splits by vocabulary) and one "
-    "layer's backward pass: WORKING x what the layer saves (its "
-    "gradients as its saved set is freed), or with remat REMAT_WORKING x what it saves without "
-    "remat (the recomputed set and its gradients); factors fitted to XLA:CPU's compiled "
-    "schedule, TPU_WORKING and TPU_REMAT_WORKING to XLA:TPU's (libtpu), which holds less",
+    "working: the larger of one group of loss chunks ([tokens, vocab] float32 logits and the "
+    "group's gradients; one chunk a group where the loss splits by vocabulary) and one layer's "
+    "backward pass: WORKING x what the layer saves (its gradients as its saved set is freed), "
+    "or with remat REMAT_WORKING x what it saves without remat (the recomputed set and its "
+    "gradients); factors fitted to XLA:CPU's compiled schedule, TPU_WORKING and "
+    "TPU_REMAT_WORKING to XLA:TPU's (libtpu), which holds less",
     "remat only inside the layer scan (scan_layers=True): with the layers unrolled XLA may "
     "merge the recomputation with the forward pass it repeats, so the step is priced without "
     "remat (an upper bound)",
     "not counted: the compiler's buffer packing (XLA:CPU adds up to a third over the live "
-    "peak), the data pipeline, compiled code",
+    "peak; XLA:TPU's temporaries exceed its buffer assignment's), the data pipeline, compiled "
+    "code",
 )
 
 
@@ -353,7 +354,7 @@ REMAT_WORKING = 1.4
 # The same on TPU, fitted to libtpu 0.0.42.1's compiled steps (docs/scaling.md, "Memory per
 # device"): without remat the small model's step on v5e-4 holds no more than its saved set
 # (+4 % with 0, +19 % with 0.5); with remat, the recomputed layer and its gradients and no
-# more (1.4 puts the 2-layer gpt-oss steps 21 % (120b) and 35 % (20b) over, 1.0 within 9 %).
+# more (1.4 puts the 2-layer gpt-oss steps 19 % (120b) and 32 % (20b) over, 1.0 within 7 %).
 TPU_WORKING = 0.0
 TPU_REMAT_WORKING = 1.0
 
