@@ -213,6 +213,27 @@ def test_remat_saves_activations_inside_the_layer_scan_only():
                             execution=unrolled)["total"]
 
 
+def test_tpu_holds_the_scanned_expert_gradients_twice():
+    # XLA:TPU copies the backward scan's expert gradient accumulators into the parameters'
+    # layout for the update (docs/scaling.md, "Memory per device"): the expert matrices'
+    # gradients once more, with the layers scanned only; no other parameter's, no adapter's.
+    cfg, mesh = model("tiny"), parse_mesh("fsdp=2,expert=2")
+    state = d.state_bytes(cfg, mesh)
+    itemsize = jnp.dtype(cfg.param_dtype).itemsize
+    experts = sum(np.prod(r["shard"]) * itemsize for r in d.param_shardings(cfg, mesh)
+                  if r["param"] in ("layers/mlp/gate_up_proj", "layers/mlp/down_proj"))
+    assert state["trained_experts"] == pytest.approx(experts)
+    assert experts == pytest.approx(d.expert_weight_params(cfg) * itemsize / 4)
+    scan = ExecutionConfig(scan_layers=True)
+    grads = {(p, s): d.memory_per_device(cfg, batch=8, seq_len=64, mesh=mesh, platform=p,
+                                         execution=scan.replace(scan_layers=s))["grads"]
+             for p in ("cpu", "tpu") for s in (False, True)}
+    assert grads["cpu", True] == grads["cpu", False] == grads["tpu", False] == state["trained"]
+    assert grads["tpu", True] == pytest.approx(state["trained"] + experts)
+    lora = d.Adapters(rank=4, alpha=8.0, targets=("q_proj", "gate_up_proj"))
+    assert d.state_bytes(cfg, mesh, lora)["trained_experts"] == 0
+
+
 def test_unknown_override_is_named_with_the_known_fields():
     with pytest.raises(ValueError, match="config.model has no field 'num_expert'.*num_experts"):
         check_overrides(run_config("tiny"), ["--config.model.num_expert=3"])

@@ -29,6 +29,7 @@ from llm_jax.model.mxfp4 import BITS_PER_VALUE
 from llm_jax.model.params import TRAINABLE
 from llm_jax.model.select import auto_moe
 from llm_jax.model.transformer import Transformer, abstract_model
+from llm_jax.model.unembed_loss import chunk_steps, chunks_per_group, vocab_split
 from llm_jax.parallel.sharding import MESH_AXES, logical_axes, logical_to_spec, spec_axes
 from llm_jax.runtime.backend import compiling_for
 from llm_jax.runtime.units import format_si
@@ -280,15 +281,22 @@ MEMORY_ASSUMPTIONS = (
     "layer scan as configured), each split over the batch axes when it is laid out by tokens, "
     "over expert by experts and over tensor by heads, mlp or vocab (RULES); expert slots of "
     "the capacity and blocked dispatches hold the whole batch's assignments on every device",
-    "working: the larger of one group of loss chunks ([tokens, vocab] float32 logits and "
-    "their gradient) and one layer's backward pass: WORKING x what the layer saves (its "
-    "gradients as its saved set is freed), or with remat REMAT_WORKING x what it saves without "
-    "remat (the recomputed set and its gradients); factors fitted to XLA's compiled schedule",
+    "on TPU with the layers scanned, the trained expert matrices' gradients twice: the "
+    "backward scan accumulates them in the layout its loop writes, and XLA:TPU copies them "
+    "into the parameters' layout for the optimizer update, both live at once (the other "
+    "layer parameters' gradients, and LoRA adapters', feed the update as they are)",
+    "working: the larger of one group of loss chunks ([tokens, vocab] float32 logits and the "
+    "group's gradients; one chunk a group where the loss splits by vocabulary) and one layer's "
+    "backward pass: WORKING x what the layer saves (its gradients as its saved set is freed), "
+    "or with remat REMAT_WORKING x what it saves without remat (the recomputed set and its "
+    "gradients); factors fitted to XLA:CPU's compiled schedule, TPU_WORKING and "
+    "TPU_REMAT_WORKING to XLA:TPU's (libtpu), which holds less",
     "remat only inside the layer scan (scan_layers=True): with the layers unrolled XLA may "
     "merge the recomputation with the forward pass it repeats, so the step is priced without "
     "remat (an upper bound)",
     "not counted: the compiler's buffer packing (XLA:CPU adds up to a third over the live "
-    "peak), the data pipeline, compiled code",
+    "peak; XLA:TPU's temporaries exceed its buffer assignment's), the data pipeline, compiled "
+    "code",
 )
 
 
@@ -343,6 +351,13 @@ def _shard_count(shape, names, mesh: dict[str, int]) -> int:
 WORKING = 0.5
 REMAT_WORKING = 1.4
 
+# The same on TPU, fitted to libtpu 0.0.42.1's compiled steps (docs/scaling.md, "Memory per
+# device"): without remat the small model's step on v5e-4 holds no more than its saved set
+# (+4 % with 0, +19 % with 0.5); with remat, the recomputed layer and its gradients and no
+# more (1.4 puts the 2-layer gpt-oss steps 19 % (120b) and 32 % (20b) over, 1.0 within 7 %).
+TPU_WORKING = 0.0
+TPU_REMAT_WORKING = 1.0
+
 # Dispatches that run in `jax.shard_map` over the batch axes (model/moe_parallel.py).
 SHARD_MAP_DISPATCHES = ("gmm", "expert_parallel", "expert_parallel_gmm")
 
@@ -373,16 +388,48 @@ def _variable_bytes(v: nnx.Variable, mesh: dict[str, int]) -> float:
     return math.prod(v.shape) * v.dtype.itemsize / _shard_count(v.shape, names, mesh)
 
 
+EXPERT_STACK_AXES = (("layers", "experts", "embed", "mlp"), ("layers", "experts", "mlp", "embed"))
+
+
+def _is_expert_stack(v: nnx.Variable) -> bool:
+    """An expert matrix stack (gate_up_proj, down_proj: [L, E, D, 2F], [L, E, F, D]), by its
+    logical axes; not its biases, nor a LoRA adapter of it."""
+    return tuple(v.get_metadata().get("out_sharding") or ()) in EXPERT_STACK_AXES
+
+
 def state_bytes(cfg: ModelConfig, mesh: dict[str, int],
                 adapters: Adapters | None = None) -> dict[str, float]:
-    """Per device: every parameter, and the trained ones (TRAINABLE, or the adapters alone),
-    as the train step shards its state."""
+    """Per device: every parameter, the trained ones (TRAINABLE, or the adapters alone) and the
+    trained expert matrix stacks, as the train step shards its state."""
     model = _abstract_train_model(cfg, adapters)
     trained = LoRAParam if adapters is not None else TRAINABLE
     leaves = lambda f: jax.tree.leaves(  # noqa: E731
         nnx.state(model, f), is_leaf=lambda x: isinstance(x, nnx.Variable))
     return {"params": sum(_variable_bytes(v, mesh) for v in leaves(nnx.Param)),
-            "trained": sum(_variable_bytes(v, mesh) for v in leaves(trained))}
+            "trained": sum(_variable_bytes(v, mesh) for v in leaves(trained)),
+            "trained_experts": sum(_variable_bytes(v, mesh) for v in leaves(trained)
+                                   if _is_expert_stack(v))}
+
+
+def _abstract_mesh(mesh: dict[str, int]) -> jax.sharding.AbstractMesh:
+    """`mesh` with Auto axes, as the train step's mesh (sharding.make_mesh): jax 0.12's default,
+    Explicit, would make every sharding constraint an assertion."""
+    return jax.sharding.AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES,
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def _loss_bytes(cfg: ModelConfig, execution: ExecutionConfig, batch: int, seq_len: int,
+                mesh: dict[str, int], batch_shards: int) -> float:
+    """One group of the fused loss's chunks on a device (model/unembed_loss.py): k chunks of
+    logit gradients and one of float32 logits, [tokens, vocab / tensor] each, priced as float32;
+    k = 1 where the loss splits by vocabulary (groups would only hold more)."""
+    c = chunk_steps(batch, seq_len, execution.loss_chunk_tokens, batch_shards)
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(mesh)):
+        split = vocab_split(batch, cfg.vocab_size)
+    k = chunks_per_group(-(-seq_len // c), 1 if split is not None else
+                         execution.loss_group_chunks)
+    vocab = cfg.vocab_size / _shard_count((cfg.vocab_size,), ("vocab",), mesh)
+    return (k + 1) * batch // batch_shards * c * vocab * 4
 
 
 def _saved_activations(cfg: ModelConfig, execution: ExecutionConfig,
@@ -401,13 +448,9 @@ def _saved_activations(cfg: ModelConfig, execution: ExecutionConfig,
         return m.cross_entropy_sum(h, tokens) + aux.load_balancing_loss.mean() \
             + aux.router_z_loss.mean()
 
-    # Auto axes, as the train step's mesh (sharding.make_mesh): jax 0.12's default, Explicit,
-    # would make every sharding constraint an assertion.
-    abstract = jax.sharding.AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES,
-                                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     n = batch * seq_len
-    with jax.sharding.use_abstract_mesh(abstract), compiling_for(platform):
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(mesh)), compiling_for(platform):
         saved = saved_residuals(loss, params, tokens)
         dispatch = (execution.moe_dispatch if execution.moe_dispatch != "auto"
                     else auto_moe(cfg, n))
@@ -452,16 +495,19 @@ def memory_per_device(
     # tiny config part of it. Priced without remat there: an upper bound.
     traced = execution.replace(remat=execution.remat and execution.scan_layers)
     saved, layer = _saved_activations(cfg, traced, adapters, batch, seq_len, mesh, platform)
+    working, remat_working = ((TPU_WORKING, TPU_REMAT_WORKING) if platform == "tpu"
+                              else (WORKING, REMAT_WORKING))
     if traced.remat:  # the backward pass recomputes one layer's saved set, then its gradients
-        layer = REMAT_WORKING * _saved_activations(
+        layer = remat_working * _saved_activations(
             cfg, traced.replace(remat=False), adapters, batch, seq_len, mesh, platform)[1]
     else:  # the last layer's gradients, as its saved set is freed
-        layer *= WORKING
+        layer *= working
     tokens = batch // batch_shards * seq_len
-    vocab = cfg.vocab_size / _shard_count((cfg.vocab_size,), ("vocab",), mesh)
-    loss = (execution.loss_group_chunks + 1) * min(tokens, execution.loss_chunk_tokens) \
-        * vocab * 4
-    out = {"params": state["params"], "grads": state["trained"],
+    loss = _loss_bytes(cfg, execution, batch, seq_len, mesh, batch_shards)
+    grads = state["trained"]
+    if platform == "tpu" and execution.scan_layers:  # the scan's expert gradients, then the
+        grads += state["trained_experts"]  # params' layout
+    out = {"params": state["params"], "grads": grads,
            "adam_m_v": 2 * state["trained"], "activations": saved, "working": max(layer, loss)}
     out["total"] = sum(out.values())
     out.update(mesh=mesh, devices=math.prod(mesh.values()), tokens_per_device=tokens,
