@@ -115,10 +115,11 @@ LONG_PROMPTS = [np.random.default_rng(3).integers(1, V, n).tolist() for n in (30
 
 
 # ---------------------------------------------------------------------- cache == recompute
-# Each case is its own compiled program: (2, 0) has no window; (2, 8) wraps every ring at least
-# twice while decoding; (3, 8) is an odd layer count (sliding, full, sliding) prefilling long
-# prompts block-sparse, through the dropping dispatch (exact outside training) and `auto` (the
-# same program); (1, 64) is one layer whose window is longer than the cache.
+# (2, 0) has no window; (2, 8) wraps every ring at least twice while decoding; (3, 8) is an odd
+# layer count (sliding, full, sliding) prefilling long prompts block-sparse, through the
+# dropping dispatch (outside training it runs `auto`'s exact choice, so the `auto` case lowers
+# to the same program and loads it from the compilation cache); (1, 64) is one layer whose
+# window is longer than the cache.
 @pytest.mark.parametrize("layers, window, dispatch, long", [
     (2, 0, "dense", False), (2, 8, "dense", False), (3, 8, "capacity", True),
     (3, 8, "auto", True), (1, 64, "dense", False)])
