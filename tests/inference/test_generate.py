@@ -212,8 +212,8 @@ def test_stacked_layer_weights_a_one_device_mesh_and_streaming_change_no_token(m
     assert not loop.slice_layers_once(stacked)
     seen = []
 
-    def sink(step, tokens, active):
-        seen.append((step, tokens.tolist(), active.tolist()))
+    def sink(step, drawn, active):
+        seen.append((step, drawn.tolist(), active.tolist()))
 
     before = generate_jit.for_platform()._cache_size()
     stacked_ids, stacked_logits = generate(stacked, PROMPTS, max_new_tokens=9, return_logits=True,
