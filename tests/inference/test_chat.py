@@ -24,26 +24,33 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("chat") / "tiny")
 
 
-def _greedy(model, tok, messages: list[dict], n: int) -> str:
-    ids = sample(model, tok.encode(tok.render(messages)), max_new_tokens=n)
-    cut = next((i for i, t in enumerate(ids) if t in tok.stop_ids), len(ids))
-    return tok.decode(ids[:cut])
+def _greedy(model, tok, conversations: list[list[dict]], n: int) -> list[str]:
+    """The greedy reply to each conversation, from one batched `sample` (a batch equals each
+    prompt alone: test_generate)."""
+    out = []
+    for ids in sample(model, [tok.encode(tok.render(m)) for m in conversations], max_new_tokens=n):
+        cut = next((i for i, t in enumerate(ids) if t in tok.stop_ids), len(ids))
+        out.append(tok.decode(ids[:cut]))
+    return out
 
 
 @pytest.mark.slow
 def test_replies_continue_the_templated_conversation_and_reset_forgets(ckpt):
+    # A system message long enough that both turns' prompts pad to one bucket (65-128 tokens):
+    # the chat's prefill and the reference compile once each.
+    system = {"role": "system",
+              "content": "be brief: answer with one, two or three words, never more than five or six"}
     out = io.StringIO()
     stdin = io.StringIO("the cat\nand the dog\n/reset\nthe cat\n")
     assert main(["--checkpoint", str(ckpt), "--max_tokens", "8", "--max_len", "256",
-                 "--system", "be brief"], stdin=stdin, stdout=out) == 0
+                 "--system", system["content"]], stdin=stdin, stdout=out) == 0
     replies = [r.split("\nyou> ")[0].removesuffix(" [length]")
                for r in out.getvalue().split("assistant> ")[1:]]
-    system = {"role": "system", "content": "be brief"}
     model, tok = load_pretrained(ckpt), load_tokenizer(ckpt)
-    first = _greedy(model, tok, [system, {"role": "user", "content": "the cat"}], 8)
-    second = _greedy(model, tok, [system, {"role": "user", "content": "the cat"},
-                                        {"role": "assistant", "content": first},
-                                        {"role": "user", "content": "and the dog"}], 8)
+    # The second turn's history holds the chat's first reply, which must be `first`.
+    turn = [system, {"role": "user", "content": "the cat"}]
+    first, second = _greedy(model, tok, [turn, turn + [
+        {"role": "assistant", "content": replies[0]}, {"role": "user", "content": "and the dog"}]], 8)
     assert replies == [first, second, first]
 
 

@@ -92,52 +92,56 @@ def forward(model, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(_forward(*nnx.split(model), jnp.asarray(tokens, jnp.int32)))
 
 
-def recomputed_logits(model, prompts: list[list[int]], new: list[list[int]]) -> list[np.ndarray]:
+def tokens(model, prompts: list[list[int]], **kwargs) -> list[list[int]]:
+    """generate's tokens for a batch, from the program that also returns the logits
+    (return_logits is static): the tests' batches share it with the cache checks' program."""
+    return generate(model, prompts, return_logits=True, **kwargs)[0]
+
+
+def recomputed_logits(model, prompts: list[list[int]], new: list[list[int]],
+                      width: int = 48) -> list[np.ndarray]:
     """Logits that predicted each new token, from running each whole sequence without a cache
-    (what recomputing at every step gives, by causality). One call: right-padded to 48."""
-    seqs = np.zeros((len(prompts), 48), np.int32)
+    (what recomputing at every step gives, by causality). One call: right-padded to `width`."""
+    seqs = np.zeros((len(prompts), width), np.int32)
     for i, (p, n) in enumerate(zip(prompts, new)):
         seqs[i, :len(p) + len(n)] = p + n
     logits = forward(model, seqs)
     return [logits[i, len(p) - 1:len(p) + len(n) - 1] for i, (p, n) in enumerate(zip(prompts, new))]
 
 
+# Past BLOCKWISE_MIN_KEYS: the prefill runs several query blocks and key blocks, most of them
+# out of the sliding window, over rows of different lengths.
+LONG_PROMPTS = [np.random.default_rng(3).integers(1, V, n).tolist() for n in (300, 230)]
+
+
 # ---------------------------------------------------------------------- cache == recompute
-@pytest.mark.parametrize("window, dispatch", [(0, "dense"), (8, "dense"), (8, "capacity"), (8, "auto")])
-def test_cached_decoding_matches_full_recompute_past_the_window(model, window, dispatch):
-    m = with_config(model, CFG.replace(sliding_window=window), DENSE.replace(moe_dispatch=dispatch))
-    ref = with_config(model, CFG.replace(sliding_window=window))
-    ids, logits = generate(m, PROMPTS, max_new_tokens=16, return_logits=True)
-    assert all(len(new) == 16 for new in ids)
-    assert len(PROMPTS[1]) + 16 > 2 * CFG.sliding_window  # every ring wraps at least twice
-    for lg, want in zip(logits, recomputed_logits(ref, PROMPTS, ids)):
-        np.testing.assert_allclose(lg, want, atol=TOL, rtol=0)
-
-
-@pytest.mark.parametrize("layers, window", [(3, 8), (1, 64)])
-def test_odd_layer_counts_and_a_window_longer_than_the_cache(layers, window):
-    m = random_model(CFG.replace(num_hidden_layers=layers, sliding_window=window), seed=layers)
-    ids, logits = generate(m, PROMPTS, max_new_tokens=12, return_logits=True)
-    for lg, want in zip(logits, recomputed_logits(m, PROMPTS, ids)):
-        np.testing.assert_allclose(lg, want, atol=TOL, rtol=0)
-
-
-def test_long_prompts_prefill_block_sparse_and_continue_like_full_recompute(model):
+# (2, 0) has no window; (2, 8) wraps every ring at least twice while decoding; (3, 8) is an odd
+# layer count (sliding, full, sliding) prefilling long prompts block-sparse, through the
+# dropping dispatch (outside training it runs `auto`'s exact choice, so the `auto` case lowers
+# to the same program and loads it from the compilation cache); (1, 64) is one layer whose
+# window is longer than the cache.
+@pytest.mark.parametrize("layers, window, dispatch, long", [
+    (2, 0, "dense", False), (2, 8, "dense", False), (3, 8, "capacity", True),
+    (3, 8, "auto", True), (1, 64, "dense", False)])
+def test_cached_decoding_matches_full_recompute(model, layers, window, dispatch, long):
     from llm_jax.model.blockwise_attention import use_blockwise
 
-    # Past BLOCKWISE_MIN_KEYS: several query blocks and key blocks, most of them out of the
-    # sliding window, and rows of different lengths.
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(1, V, 300).tolist(), rng.integers(1, V, 230).tolist()]
-    assert use_blockwise(2, bucket(300), bucket(300), CFG.num_attention_heads)
-    ids, logits = generate(model, prompts, max_new_tokens=4, return_logits=True)
-    seqs = np.zeros((2, 304), np.int32)  # one uncached forward over prompt + new tokens
-    for i, (p, n) in enumerate(zip(prompts, ids)):
-        seqs[i, :len(p) + len(n)] = p + n
-    full = forward(model, seqs)
-    for i, (p, n) in enumerate(zip(prompts, ids)):
-        np.testing.assert_allclose(logits[i], full[i, len(p) - 1:len(p) + len(n) - 1],
-                                   atol=TOL, rtol=0)
+    cfg = CFG.replace(num_hidden_layers=layers, sliding_window=window)
+    weights = model if layers == CFG.num_hidden_layers else random_model(cfg, seed=layers)
+    m = with_config(weights, cfg, DENSE.replace(moe_dispatch=dispatch))
+    ref = with_config(weights, cfg)
+    prompts = LONG_PROMPTS if long else PROMPTS
+    ids, logits = generate(m, prompts, max_new_tokens=16, return_logits=True)
+    assert all(len(new) == 16 for new in ids)
+    if long:
+        assert use_blockwise(2, bucket(300), bucket(300), CFG.num_attention_heads)
+    elif window == 8:
+        assert len(PROMPTS[1]) + 16 > 2 * window  # every ring wraps at least twice
+    elif window:
+        assert bucket(max(map(len, prompts))) + bucket(16) < window  # the cache's slots
+    width = 320 if long else 48
+    for lg, want in zip(logits, recomputed_logits(ref, prompts, ids, width)):
+        np.testing.assert_allclose(lg, want, atol=TOL, rtol=0)
 
 
 # ---------------------------------------------------------------------- transformers
@@ -186,27 +190,44 @@ def test_greedy_tokens_match_transformers_generate(tmp_path):
 
 
 # ---------------------------------------------------------------------- batching
-def test_decoding_from_stacked_layer_weights_equals_slicing_them_once(model, monkeypatch):
+def test_stacked_layer_weights_a_one_device_mesh_and_streaming_change_no_token(model,
+                                                                              monkeypatch):
     # On CPU the loop slices each layer's weights once before it (loop.SLICE_LAYERS_MAX_BYTES);
-    # with the limit at 0 every step reads the stacked weights, as on accelerators.
-    # The stacked run uses the same weights under an execution config that differs only in a
-    # training knob, so it traces a program of its own: the sliced programs other tests share
-    # stay compiled (clearing generate_jit's cache would make them all compile again).
+    # with the limit at 0 every step reads the stacked weights, as on accelerators. The stacked
+    # run uses the same weights under an execution config that differs only in a training knob,
+    # so it traces a program of its own (the sliced programs other tests share stay compiled;
+    # clearing generate_jit's cache would make them all compile again). That one program also
+    # runs on a one-device mesh, its cache sharded by the logical rules, and streams: it gives
+    # the sliced, unsharded tokens and logits, and the callback sees each step's tokens in order.
+    mesh = make_mesh({"data": 1})
+    layer = cache_shardings(mesh, CFG)[1]
+    assert layer.k.spec == logical_to_spec(CACHE_AXES.k)
+    assert layer.v.spec == logical_to_spec(CACHE_AXES.v)
+    for spec in (layer.k.spec, layer.v.spec):
+        assert spec[0] == logical_to_spec(("batch",))[0] and spec[1] == "tensor"
     assert loop.slice_layers_once(model)
     ids, logits = generate(model, PROMPTS, max_new_tokens=9, return_logits=True)
     monkeypatch.setattr(loop, "SLICE_LAYERS_MAX_BYTES", 0)
     stacked = with_config(model, CFG, DENSE.replace(loss_chunk_tokens=DENSE.loss_chunk_tokens + 1))
     assert not loop.slice_layers_once(stacked)
+    seen = []
+
+    def sink(step, drawn, active):
+        seen.append((step, drawn.tolist(), active.tolist()))
+
     before = generate_jit.for_platform()._cache_size()
-    stacked_ids, stacked_logits = generate(stacked, PROMPTS, max_new_tokens=9, return_logits=True)
+    stacked_ids, stacked_logits = generate(stacked, PROMPTS, max_new_tokens=9, return_logits=True,
+                                           mesh=mesh, stream=sink)
     assert generate_jit.for_platform()._cache_size() == before + 1  # traced afresh, stacked
     assert stacked_ids == ids
     for a, b in zip(stacked_logits, logits):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert [s for s, _, _ in seen] == list(range(9))
+    assert [[t[b] for _, t, _ in seen] for b in range(3)] == ids
 
 
 def test_batch_of_different_lengths_equals_each_prompt_alone(model):
-    batch = generate(model, PROMPTS, max_new_tokens=10)
+    batch = tokens(model, PROMPTS, max_new_tokens=10)
     assert batch == [generate(model, p, max_new_tokens=10) for p in PROMPTS]
 
 
@@ -214,16 +235,16 @@ def test_sampled_sequence_does_not_depend_on_the_rest_of_the_batch(model):
     # Row b draws from fold_in(fold_in(seed, step), b): the same row and seed give the same
     # tokens whatever the other prompts are (their lengths, their contents, or none at all).
     kw = dict(max_new_tokens=10, temperature=1.0, seed=3)
-    batch = generate(model, PROMPTS, **kw)
-    other = generate(model, [PROMPTS[0], PROMPTS[2][:5], [1]], **kw)
+    batch = tokens(model, PROMPTS, **kw)
+    other = tokens(model, [PROMPTS[0], PROMPTS[2][:5], [1]], **kw)
     assert other[0] == batch[0] == generate(model, PROMPTS[0], **kw)
     assert batch[1] != batch[0]
 
 
 def test_generation_stops_at_eos_and_includes_it(model):
-    full = generate(model, PROMPTS, max_new_tokens=12)
+    full = tokens(model, PROMPTS, max_new_tokens=12)
     eos = full[0][4]
-    out = generate(model, PROMPTS, max_new_tokens=12, eos_id=eos)
+    out = tokens(model, PROMPTS, max_new_tokens=12, eos_id=eos)
     for f, o in zip(full, out):
         stop = f.index(eos) + 1 if eos in f else len(f)
         assert o == f[:stop]
@@ -251,7 +272,7 @@ def test_greedy_tokens_equal_argmax_with_ties_and_nans():
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(model):
-    greedy = generate(model, PROMPTS, max_new_tokens=8)
+    greedy = tokens(model, PROMPTS, max_new_tokens=8)
     assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, top_k=1, seed=5) == greedy
     assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=5) == greedy
 
@@ -277,26 +298,6 @@ def test_kv_bytes_equal_the_size_of_a_real_cache(window, dtype):
         assert all(c.k.shape == (*kh, cfg.head_dim, c.slots)
                    and c.v.shape == (*kh, c.slots, cfg.head_dim) for c in cache)
     assert cache_nbytes(init_cache(cfg, 2, 1000)) < 2 * cache_nbytes(init_cache(cfg, 2, 500)) + 1
-
-
-def test_cache_is_sharded_by_the_logical_rules_and_streaming_sees_every_token_in_order(model):
-    # One run checks both: generating on a one-device mesh gives the unsharded tokens, and the
-    # streaming callback sees each step's tokens, in order.
-    mesh = make_mesh({"data": 1})
-    layer = cache_shardings(mesh, CFG)[1]
-    assert layer.k.spec == logical_to_spec(CACHE_AXES.k)
-    assert layer.v.spec == logical_to_spec(CACHE_AXES.v)
-    for spec in (layer.k.spec, layer.v.spec):
-        assert spec[0] == logical_to_spec(("batch",))[0] and spec[1] == "tensor"
-    seen = []
-
-    def sink(step, tokens, active):
-        seen.append((step, tokens.tolist(), active.tolist()))
-
-    ids = generate(model, PROMPTS, max_new_tokens=6, mesh=mesh, stream=sink)
-    assert ids == generate(model, PROMPTS, max_new_tokens=6)
-    assert [s for s, _, _ in seen] == list(range(6))
-    assert [[t[b] for _, t, _ in seen] for b in range(3)] == ids
 
 
 def test_bfloat16_cache_stays_close_to_float32(model):
@@ -355,7 +356,7 @@ def test_cli_takes_prompt_ids_without_a_tokenizer_and_names_bad_flags(model, tmp
                  str(out_json), *sum((["--prompt_ids", ",".join(map(str, p))] for p in PROMPTS),
                                      [])]) == 0
     rows = json.loads(out_json.read_text())
-    assert [r["ids"] for r in rows] == generate(model, PROMPTS, max_new_tokens=4)
+    assert [r["ids"] for r in rows] == tokens(model, PROMPTS, max_new_tokens=4)
     assert main(["--checkpoint", str(ckpt), "--prompt", "hi"]) == 2
     assert "tokenizer" in capsys.readouterr().err
     assert main(["--checkpoint", str(ckpt), "--prompt_ids", "1,x"]) == 2
