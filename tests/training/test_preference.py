@@ -18,9 +18,8 @@ from helpers import SMALL_MODEL, read_records, stop_after_step, tiny_train
 
 from llm_jax.data.preference_synthetic import write_synthetic_preferences
 from llm_jax.execution import ExecutionConfig
-from llm_jax.model import init_model
+from llm_jax.model import Transformer, init_model
 from llm_jax.model.lora import LoRAParam, add_lora
-from llm_jax.parallel.sharding import mesh_from_config
 from llm_jax.training.loop import train
 from llm_jax.training.preemption import Interrupted
 from llm_jax.training.preference import (
@@ -34,7 +33,7 @@ from llm_jax.training.preference import (
     step_functions,
 )
 from llm_jax.training.run_config import default_run_config
-from llm_jax.training.step import compile_steps
+from llm_jax.training.step import init_state, make_optimizer, train_step
 
 # Four pairs: chosen ahead, rejected ahead, a tie, and one far from the reference.
 LOGP = np.array([[-3.0, -5.0], [-10.0, -4.0], [-2.5, -2.5], [-40.0, -1.0]], np.float32)
@@ -161,51 +160,60 @@ def lora_model(seed=1):
     return model, base
 
 
+# DPO (with label smoothing) and SimPO: the objectives whose gradients are checked below.
+OBJECTIVES = (PreferenceConfig("dpo", beta=0.5, label_smoothing=0.1),
+              PreferenceConfig("simpo", beta=2.0, gamma=0.3))
+
+
 @pytest.fixture(scope="module")
 def on_a_model():
-    """(adapted model, its base, pair_batch(), the base's plain_sums of it), built once for the
-    tests below (none of them changes a model)."""
+    """(adapted model, its base, pair_batch(), and what the tests below compare, computed in one
+    compiled program): the base's sequence log-prob sums, and its plain_sums; the adapted
+    model's plain_sums, adapters on and off; for each of OBJECTIVES, the value and the
+    adapters' gradients of the fused objective and of the plain full-logits computation."""
     model, base = lora_model()
     batch = pair_batch()
-    return model, base, batch, plain_sums(base, batch)
-
-
-def test_sequence_logprob_sums_equal_a_log_softmax_of_the_logits(on_a_model):
-    _, base, batch, want = on_a_model
-    _, logp, mask = sequence_logprobs(base, flat_rows(batch), train=False)
-    got = pair_sums(logp, mask)
-    assert np.all(np.abs(np.asarray(want)) > 1.0)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-
-
-def test_the_lora_reference_is_the_base_model_exactly(on_a_model):
-    model, _, batch, want = on_a_model
-    adapted, reference = (plain_sums(m, batch) for m in (model, adapters_off(model)))
-    np.testing.assert_array_equal(reference, want)
-    assert np.abs(np.asarray(adapted) - np.asarray(want)).max() > 1e-2  # the adapters count
-    assert jax.tree.leaves(nnx.state(model, LoRAParam))[0].any()  # `model` left unchanged
-
-
-def test_value_and_gradients_equal_the_plain_full_logits_computation(on_a_model):
-    """DPO (with label smoothing) and SimPO, both in one compiled program."""
-    model, _, batch, ref = on_a_model
-    length = batch["loss_mask"].sum(-1)
-    cfgs = (PreferenceConfig("dpo", beta=0.5, label_smoothing=0.1),
-            PreferenceConfig("simpo", beta=2.0, gamma=0.3))
 
     @nnx.jit
-    def both(model, batch):
-        out = []
-        for cfg in cfgs:
+    def compute(model, base, batch):
+        _, logp, mask = sequence_logprobs(base, flat_rows(batch), train=False)
+        ref = plain_sums(base, batch)
+        length = batch["loss_mask"].sum(-1)
+        objectives = []
+        for cfg in OBJECTIVES:
             fused = nnx.value_and_grad(lambda m: preference_objective(m, batch, cfg)[0],
                                        argnums=nnx.DiffState(0, LoRAParam))(model)
             plain = nnx.value_and_grad(
                 lambda m: preference_loss(plain_sums(m, batch), ref, length, cfg)[0],
                 argnums=nnx.DiffState(0, LoRAParam))(model)
-            out.append((fused, plain))
-        return out
+            objectives.append((fused, plain))
+        return {"sequence_logprobs": pair_sums(logp, mask), "base": ref,
+                "adapted": plain_sums(model, batch),
+                "adapters_off": plain_sums(adapters_off(model), batch),
+                "objectives": objectives}
 
-    for cfg, ((value, grads), (want_value, want_grads)) in zip(cfgs, both(model, batch)):
+    return model, base, batch, compute(model, base, batch)
+
+
+def test_sequence_logprob_sums_equal_a_log_softmax_of_the_logits(on_a_model):
+    *_, out = on_a_model
+    want = out["base"]
+    assert np.all(np.abs(np.asarray(want)) > 1.0)
+    np.testing.assert_allclose(out["sequence_logprobs"], want, rtol=1e-5)
+
+
+def test_the_lora_reference_is_the_base_model_exactly(on_a_model):
+    model, *_, out = on_a_model
+    want = out["base"]
+    np.testing.assert_array_equal(out["adapters_off"], want)
+    assert np.abs(np.asarray(out["adapted"]) - np.asarray(want)).max() > 1e-2  # adapters count
+    assert jax.tree.leaves(nnx.state(model, LoRAParam))[0].any()  # `model` left unchanged
+
+
+def test_value_and_gradients_equal_the_plain_full_logits_computation(on_a_model):
+    """DPO (with label smoothing) and SimPO, both in one compiled program."""
+    *_, out = on_a_model
+    for cfg, ((value, grads), (want_value, want_grads)) in zip(OBJECTIVES, out["objectives"]):
         np.testing.assert_allclose(value, want_value, rtol=1e-5, err_msg=cfg.loss)
         flat, want_flat = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
         assert len(flat) == len(want_flat) == 6 and max(np.abs(g).max() for g in want_flat) > 1e-3
@@ -218,22 +226,33 @@ def test_gradient_accumulation_over_pairs_equals_one_batch():
     """Microbatches split the batch by pairs, never a pair: two of two pairs each make the
     update one batch of four makes."""
     batch = {k: jnp.concatenate([v, v[:1]]) for k, v in pair_batch().items()}  # 4 pairs
-    mesh = mesh_from_config(default_run_config("t", SMALL_MODEL).mesh)
-    updates = []
-    for accumulate in (1, 2):  # the dense MoE: the cheapest program to compile, twice
-        steps = compile_steps(SMALL_MODEL, tiny_train(batch_size=4, grad_accum_steps=accumulate),
-                              mesh, 0, execution=ExecutionConfig(moe_dispatch="dense"),
-                              **step_functions(PreferenceConfig("simpo", beta=2.0)))
-        state, metrics = steps.train(steps.init(), batch)
-        updates.append((metrics["loss"], jax.tree.leaves(state.params)))
+    execution = ExecutionConfig(moe_dispatch="dense")  # the cheapest MoE to compile
+    graphdef = nnx.graphdef(nnx.eval_shape(
+        lambda: Transformer(SMALL_MODEL, rngs=nnx.Rngs(params=0), execution=execution)))
+    objective = step_functions(PreferenceConfig("simpo", beta=2.0))["objective"]
+
+    @jax.jit
+    def both(batch):  # the train step without and with accumulation, in one compiled program
+        out = []
+        for accumulate in (1, 2):
+            train_cfg = tiny_train(batch_size=4, grad_accum_steps=accumulate)
+            tx = make_optimizer(train_cfg)
+            state = init_state(SMALL_MODEL, tx, 0, execution=execution)
+            state, metrics = train_step(state, batch, graphdef=graphdef, tx=tx, train=train_cfg,
+                                        objective=objective)
+            out.append((metrics["loss"], jax.tree.leaves(state.params)))
+        return out
+
+    updates = both(batch)
     np.testing.assert_allclose(updates[0][0], updates[1][0], rtol=1e-6)
     for one, two in zip(updates[0][1], updates[1][1]):
         np.testing.assert_allclose(one, two, rtol=0, atol=1e-6)
 
 
-def test_dpo_without_adapters_or_precomputed_reference_is_refused():
-    with pytest.raises(ValueError, match="needs a reference policy"):
-        preference_objective(init_model(SMALL_MODEL, seed=1), pair_batch(), PreferenceConfig())
+def test_dpo_without_adapters_or_precomputed_reference_is_refused(on_a_model):
+    _, base, batch, _ = on_a_model
+    with pytest.raises(ValueError, match="needs a reference policy"):  # refused while tracing
+        jax.eval_shape(lambda: preference_objective(base, batch, PreferenceConfig()))
 
 
 # ------------------------------------------------------------------------------ through loop.train
