@@ -278,6 +278,10 @@ def test_the_step_keeps_frozen_params_apart_and_accumulates_as_one_big_batch():
     for run in (step, step.compile(state, batch)):  # jitted, and compiled ahead of time
         got, metrics = run(fresh() if run is not step else state, batch)
         assert float(metrics["loss"]) == float(want_metrics["loss"])
+        # The same gradient, to float32 rounding: with the frozen params an argument of their
+        # own XLA may fuse the backward pass differently (1 ulp of the norm on jax 0.10).
+        assert float(metrics["grad_norm"]) == pytest.approx(float(want_metrics["grad_norm"]),
+                                                            rel=1e-6)
         for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
             np.testing.assert_array_equal(a, b)
         assert jax.tree.structure(got) == jax.tree.structure(want)
