@@ -191,6 +191,8 @@ def test_warmup_compiles_every_prompt_bucket_and_changes_no_result(model, engine
     engine.run_until_idle()
     assert [s.tokens for s in seqs] == [s.tokens for s in cold]
     assert one.tokens == seqs[1].tokens
+    # and the second bucket's prompt (20 tokens, padded to 32) gets what `sample` gives it
+    assert seqs[1].tokens == sample(model, prompts[1], max_new_tokens=6)
 
 
 def test_a_failing_step_ends_its_sequences_with_an_error_and_the_engine_goes_on(model,
