@@ -1,10 +1,13 @@
-"""How the command lines read their flags and fail: a bad flag or value ends in one line that
-names it (`llm_jax.train: error: --config.train.num_stpes: ...`), exit status 2, no traceback.
+"""How the command lines read their flags and fail: a bad flag ends in one line that names it
+(`llm_jax.train: error: --config.train.num_stpes: ...`), exit status 2, no traceback.
 
 The command lines with a run config (`train`, `describe`, `compile`) parse with absl and
-ml_collections' `--config` file flag, through `parse_flags(prog)`; the others (`generate`,
-`convert`, `export`, `serve`, `chat`, `bench`) with this module's `ArgumentParser`, argparse's
-with the same one-line errors; all of them report a bad value through `fail`.
+ml_collections' `--config` file flag, through `parse_flags(prog)`, and report a bad value
+through `fail`; the others (`generate`, `convert`, `export`, `serve`, `chat`, `bench`) parse
+with this module's `ArgumentParser`, argparse's with the same one-line errors (`eval` keeps
+lm_eval's own). A bad value found after parsing is one line too: `generate`, `serve` and `chat`
+print `llm_jax.<name>: error: ...` and exit 2, `convert` and `export` print `error: ...` and
+exit 1.
 """
 
 from __future__ import annotations
