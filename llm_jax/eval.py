@@ -5,9 +5,9 @@
 
 It is lm_eval's own command line (same flags, same results JSON under --output_path) with the
 model "llm_jax" registered; `--checkpoint DIR` is short for `--model llm_jax --model_args
-checkpoint=DIR` (extra model_args: dtype, max_length, pack, max_gen_toks, slots; see
-llm_jax/evaluation/harness.py). lm_eval 0.4 has no plugin entry point, so the bare `lm_eval`
-command does not know "llm_jax"; this one does. Needs the `eval` extra.
+checkpoint=DIR` (extra model_args: dtype, max_length, pack, max_gen_toks, slots,
+reasoning_effort; see llm_jax/evaluation/harness.py). lm_eval 0.4 has no plugin entry point, so
+the bare `lm_eval` command does not know "llm_jax"; this one does. Needs the `eval` extra.
 """
 
 from __future__ import annotations

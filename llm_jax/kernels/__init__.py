@@ -1,2 +1,2 @@
 """Accelerator kernels behind the model's attention and MoE interfaces (one file per kernel);
-`select` holds the one table of which implementation each backend runs."""
+`llm_jax.model.select` holds the one table of which implementation each backend runs."""
