@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Train on a Cloud TPU VM slice: create it, copy this repo to every worker, install, run on all
 # workers at once, stop / delete. Every worker runs the same command; JAX finds the other
-# workers by itself (TPU_WORKER_HOSTNAMES / the metadata server), so llm_jax.parallel.distributed needs
-# no coordinator address here.
+# workers by itself (from the metadata server; llm_jax.parallel.distributed asks JAX's own
+# check), so no coordinator address is needed here.
 #
 #   launch/tpu_vm.sh create            # one slice (TPU_NAME, ZONE, ACCELERATOR, VERSION below)
 #   launch/tpu_vm.sh setup             # copy the repo, pip install '.[tpu]' on every worker

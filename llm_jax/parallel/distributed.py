@@ -6,8 +6,9 @@ One process per host (TPU VM worker, GPU node or SLURM task); each sees its loca
 1. the run config's `distributed` section (coordinator_address, num_processes, process_id);
 2. the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (what
    `launch/local.py` sets for N processes on 127.0.0.1);
-3. a cluster JAX detects by itself: a multi-worker TPU VM (TPU_WORKER_HOSTNAMES or the
-   metadata server) or a SLURM job with more than one task;
+3. a cluster JAX detects by itself: a Cloud TPU VM (TPU_WORKER_HOSTNAMES, MEGASCALE_* or,
+   on a GCE TPU VM, the metadata server, asked through JAX's own check) or a SLURM job with
+   more than one task;
 4. none of these: a single process; nothing to initialise.
 
 JAX_NUM_CPU_DEVICES (a JAX config variable) gives each CPU process that many devices.
@@ -41,13 +42,31 @@ def _setting(cfg: Any, name: str, env: str, default: Any) -> Any:
 
 
 def detected_cluster() -> str | None:
-    """The multi-process environment JAX would detect by itself, if any."""
+    """The multi-process environment JAX would detect by itself, if any.
+
+    A Cloud TPU VM made with `gcloud compute tpus tpu-vm create` sets none of these variables:
+    JAX finds its workers from the metadata server, which only JAX's own check asks (it runs
+    only where JAX found TPU chips at import, so elsewhere it costs nothing). A single-worker
+    TPU VM counts too: initialising one process there is harmless.
+    """
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
         return "slurm"
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     if "," in hosts or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
         return "tpu"
+    if _gce_tpu_vm():
+        return "tpu"
     return None
+
+
+def _gce_tpu_vm() -> bool:
+    """JAX's check for a GCE TPU VM (TPU chips, and a worker number in the metadata server), the
+    one `jax.distributed.initialize()` runs; JAX exports no public name for it."""
+    try:
+        from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster
+    except ImportError:  # a JAX that moved it: the variables above still decide
+        return False
+    return bool(GceTpuCluster.is_env_present())
 
 
 def initialize(cfg: Any = None) -> dict[str, Any]:

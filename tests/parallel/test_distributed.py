@@ -42,6 +42,30 @@ def _run(cmd, env_extra, timeout=300):
     return out
 
 
+def test_a_gce_tpu_vm_is_detected_through_jax_and_starts_the_runtime(monkeypatch):
+    """`gcloud compute tpus tpu-vm create` sets no worker variables: the workers come from the
+    metadata server, through JAX's own check, and then `initialize` starts JAX's runtime with
+    JAX's detected parameters. Elsewhere (this machine) nothing is detected."""
+    import jax
+    from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster
+
+    from llm_jax.parallel import distributed
+
+    for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
+                "MEGASCALE_COORDINATOR_ADDRESS", distributed.ENV_COORDINATOR):
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.detected_cluster() is None
+    assert distributed.initialize()["mode"] == "single"
+
+    calls = []
+    monkeypatch.setattr(GceTpuCluster, "is_env_present", classmethod(lambda cls: True))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(distributed, "compile_fresh_on_cpu", lambda: None)
+    assert distributed.detected_cluster() == "tpu"
+    assert distributed.initialize()["mode"] == "tpu"
+    assert calls == [{"initialization_timeout": 300}]  # everything else JAX detects
+
+
 @pytest.mark.slow
 def test_two_processes_train_like_one_process_and_their_checkpoint_restores_on_other_meshes(
         tmp_path):
