@@ -14,8 +14,8 @@ Splash computes our attention exactly (checked in tests/kernels/test_splash_atte
   query, so query ids 0 become -1 (padding queries see nothing and return zero, as in `attend`).
 - positions: splash masks by index, so the result equals ours when positions are the index plus
   a constant within each contiguous segment (`index_positions`: the model's self-attention,
-  arange or right-padded prompts). `Attention.self_attend` checks it at run time and takes the
-  shape rule's path otherwise, so `auto` stays exact for any positions.
+  arange or right-padded prompts). The `splash` entry of `attention.ATTENTIONS` checks it at
+  run time and takes the shape rule's path otherwise, so `auto` stays exact for any positions.
 
 The window is scanned as data next to each layer's weights, but a splash mask is static (its
 block-sparsity tables are built in NumPy when the kernel is made). So a traced window selects, by
