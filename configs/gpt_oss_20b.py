@@ -32,8 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
         moe_dispatch="auto",  # dropless: the megablox gmm kernel on TPU, ragged_dot on GPU
         # The fused loss: 1,024 tokens per device a chunk (0.8 GB of float32 logits), 8 chunks
         # at 8k tokens per chip, unrolled (so the compiled cost counts them all). On a mesh with
-        # fsdp / expert / tensor axes that divide the vocabulary the loss splits by vocabulary
-        # (unembed_loss.vocab_split); elsewhere 4 chunks share each product into dh and dW.
+        # fsdp or expert axes that, times tensor, divide the vocabulary the loss splits by
+        # vocabulary (unembed_loss.vocab_split); elsewhere 4 chunks share each product into dh
+        # and dW.
         # Compiled choices in docs/scaling.md (2,048-token chunks read 0.5 % fewer bytes; with
         # 1,024 the 20b dropless and 120b steps hold 1.3-3 GiB less, under MaxText's).
         loss_chunk_tokens=1024,

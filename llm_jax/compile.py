@@ -170,8 +170,10 @@ def _define_flags() -> None:
     flags.DEFINE_string("mesh", "", "mesh axis sizes within a slice, one may be -1, e.g. "
                         "fsdp=-1,expert=4 ('' = the config's mesh section)")
     flags.DEFINE_string("dcn", "", "mesh axis sizes across slices, e.g. data=2")
-    flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size)")
-    flags.DEFINE_integer("seq_len", None, "sequence length (default: data.seq_len)")
+    flags.DEFINE_integer("batch", None, "global batch in sequences (default: train.batch_size; "
+                         "--program generate 1, rl 8)")
+    flags.DEFINE_integer("seq_len", None, "sequence length (default: data.seq_len; --program rl "
+                         "2048)")
     flags.DEFINE_enum("program", "train", ["train", "generate", "rl"], "the train step, "
                       "generation (prefill + decode loop), or an RL step's policy update and "
                       "the engine's decode step (--batch completions, default 8; --seq_len "

@@ -61,8 +61,9 @@ class ExecutionConfig(FrozenConfig):
     loss_group_chunks: int = doc_field(
         1, "loss chunks whose gradients go into dh and dW in one product: the unembedding's "
         "float32 gradient is reduced once a group, for more chunks of [tokens, vocab] gradient "
-        "held at once; only where the loss splits by tokens (a mesh whose axes divide the "
-        "vocabulary splits it by vocabulary, and keeps dW on each device: no groups)")
+        "held at once; only where the loss splits by tokens (a mesh with fsdp or expert axes "
+        "that, times tensor, divide the vocabulary splits it by vocabulary, and keeps dW on "
+        "each device: no groups)")
     remat: bool = doc_field(
         False, "recompute each layer in the backward pass: saved activations drop to the layer "
         "inputs, for ~1 extra forward")

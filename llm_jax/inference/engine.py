@@ -21,8 +21,9 @@ routed to (`Sequence.logprobs`, `Sequence.routing`): what the trainer's importan
 MoE routing replay need. Off, the compiled steps are the same as without it.
 
 Compiles: the decode step once per sampling mode (greedy / sampled / sampled with top-k or
-top-p filtering, the mode of the running set), the prefill per prompt bucket for n = 1 and
-n = max_prefill. The requests themselves (settings, queue errors, a sequence's state): requests.py.
+top-p filtering, the mode of the running set), the prefill per prompt bucket and mode of the
+prompts admitted together, for n = 1 and n = min(max_prefill, slots) rows. The requests
+themselves (settings, queue errors, a sequence's state): requests.py.
 """
 
 from __future__ import annotations

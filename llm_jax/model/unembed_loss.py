@@ -14,9 +14,10 @@ Chunks come in groups (`group_chunks`, ExecutionConfig.loss_group_chunks): the l
 chunk at a time, but their gradients go into dh and dW once a group. dW sums over every token,
 so each product into it reads, writes or (on a mesh that splits the batch) reduce-scatters a
 [V, D] float32 array; a group pays that once for k chunks, and holds k chunks of gradient.
-On a mesh whose tensor / fsdp / expert axes divide the vocabulary, the loss is split by
-vocabulary instead (`vocab_split`): each device forms its slice of every chunk's logits from the
-chunk's gathered hidden states, and its slice of dW never leaves it.
+On a mesh with an fsdp or expert axis whose sizes, times tensor's, divide the vocabulary, the
+loss is split by vocabulary instead (`vocab_split`; a mesh of data and tensor only splits by
+tokens): each device forms its slice of every chunk's logits from the chunk's gathered hidden
+states, and its slice of dW never leaves it.
 """
 
 from __future__ import annotations
