@@ -46,9 +46,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="load weights and compute in this dtype")
     p.add_argument("--cache_dtype", default=None, help="KV-cache dtype (default: compute dtype)")
     p.add_argument("--warmup", choices=("all", "short", "none"), default="all",
-                   help="before listening, compile the greedy step and prefill for every prompt "
-                   "length bucket up to --max_len (all), for prompts up to 16 tokens (short), "
-                   "or nothing (compile on first use)")
+                   help="before listening, compile the decode step and prefill of every "
+                   "sampling mode for every prompt length bucket up to --max_len (all), for "
+                   "prompts up to 16 tokens (short), or nothing (compile on first use)")
     p.add_argument("--log_level", default="info")
     return p.parse_args(argv)
 

@@ -41,6 +41,7 @@ from flax import nnx
 
 from llm_jax.inference.loop import bucket, decode_step, prefill, slice_layers_once
 from llm_jax.inference.requests import (
+    SAMPLING_MODES,
     EngineClosed,
     EngineConfig,
     QueueFull,
@@ -214,23 +215,28 @@ class Engine:
             n = out[-1] + 1
         return out
 
-    def warmup(self, prompt_buckets: list[int] | None = None) -> None:
-        """Compiles the greedy decode step and the greedy prefill of 1 and max_prefill prompts
-        for each bucket (default: all), writing nothing: every row aims past the pool."""
+    def warmup(self, prompt_buckets: list[int] | None = None,
+               modes: tuple[int, ...] = SAMPLING_MODES) -> None:
+        """Compiles the decode step and the prefill of 1 and max_prefill prompts for each
+        bucket (default: all) in each sampling mode (default: all three, so that no request
+        waits for a compile: a request's default temperature 1 is the sampled mode), writing
+        nothing: every row aims past the pool."""
         rows = sorted({1, self.prefill_rows})
-        for p in prompt_buckets or self.prompt_buckets():
-            for n in rows:
-                z = np.zeros(n, np.int32)
-                first, self.cache, _ = prefill_jit(
-                    self.graphdef, self.state, self.cache, np.zeros((n, p), np.int32),
-                    np.ones(n, np.int32), np.full(n, self.cfg.slots, np.int32), z,
-                    np.zeros(n, np.float32), z, np.ones(n, np.float32), mode=0,
-                    max_len=self.cfg.max_len, cache_dtype=self.cache_dtype,
-                    record=self.cfg.record)
+        for mode in modes:
+            for p in prompt_buckets or self.prompt_buckets():
+                for n in rows:
+                    z = np.zeros(n, np.int32)
+                    first, self.cache, _ = prefill_jit(
+                        self.graphdef, self.state, self.cache, np.zeros((n, p), np.int32),
+                        np.ones(n, np.int32), np.full(n, self.cfg.slots, np.int32), z,
+                        np.ones(n, np.float32), z, np.ones(n, np.float32), mode=mode,
+                        max_len=self.cfg.max_len, cache_dtype=self.cache_dtype,
+                        record=self.cfg.record)
         with self.lock:
             if self.running:
                 raise RuntimeError("warmup() runs before any sequence does")
-        self._decode_all(mode=0)
+        for mode in modes:
+            self._decode_all(mode=mode)
         jax.block_until_ready(self.cache)
 
     def run_until_idle(self) -> None:

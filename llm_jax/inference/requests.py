@@ -10,6 +10,10 @@ import threading
 import time
 from collections.abc import Callable
 
+# The engine compiles its programs per sampling mode: greedy, sampled, sampled with top-k /
+# top-p filtering (which sorts the vocabulary).
+SAMPLING_MODES = (0, 1, 2)
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -58,7 +62,8 @@ class SamplingParams:
 
     @property
     def mode(self) -> int:
-        """0 greedy, 1 sampled, 2 sampled with top-k / top-p filtering."""
+        """One of SAMPLING_MODES: 0 greedy, 1 sampled, 2 sampled with top-k / top-p
+        filtering."""
         if self.temperature == 0:
             return 0
         return 2 if self.top_k > 0 or self.top_p < 1 else 1

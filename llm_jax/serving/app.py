@@ -91,9 +91,9 @@ class Server:
                         model_name: str | None = None, request_timeout: float = 600.0) -> Server:
         """The model at `checkpoint` (any format `load_pretrained` reads) in an engine of
         `config`, its tokenizer, and the name the API reports (default: the checkpoint
-        folder's). `warmup`: "all" compiles the greedy decode step and prefill of every prompt
-        bucket before the first request, "short" of the first bucket, "none" nothing (each,
-        and every sampled mode, compiles when first used)."""
+        folder's). `warmup`: "all" compiles the decode step and prefill of every sampling mode
+        and prompt bucket before the first request, "short" those of the first bucket, "none"
+        nothing (each compiles when first used)."""
         if warmup not in ("all", "short", "none"):
             raise ValueError(f"warmup={warmup!r}: expected 'all', 'short' or 'none'")
         engine = Engine(load_pretrained(checkpoint, dtype=dtype), config)

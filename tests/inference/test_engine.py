@@ -174,23 +174,33 @@ def test_the_engine_thread_serves_submissions_from_other_threads(model):
     assert engine.thread is not None and not engine.thread.is_alive()
 
 
-def test_warmup_compiles_every_prompt_bucket_and_changes_no_result(model, engine):
+def test_warmup_compiles_every_prompt_bucket_and_mode_and_changes_no_result(model, engine):
     warm = Engine(model, ENGINE)
     assert warm.prompt_buckets() == [16, 32]
     warm.warmup()
     sizes = prefill_jit.for_platform()._cache_size(), decode_jit.for_platform()._cache_size()
     prompts = [list(range(1, 1 + n)) for n in (3, 20, 9, 5)]
-    seqs = [warm.submit(Sequence(p, SamplingParams(max_new_tokens=6))) for p in prompts]
-    warm.run_until_idle()
-    one = warm.submit(Sequence(prompts[1], SamplingParams(max_new_tokens=6)))
-    warm.run_until_idle()
-    assert (prefill_jit.for_platform()._cache_size(), decode_jit.for_platform()._cache_size()) == sizes
+    # each mode: greedy, sampled (a request's default, temperature 1), sampled with top-p
+    greedy = SamplingParams(max_new_tokens=6)
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=1), greedy,
+              SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=2), greedy]
+
+    def requests(e: Engine) -> list[Sequence]:
+        """Four at once (filtered mode), then one greedy and one sampled alone."""
+        seqs = [e.submit(Sequence(p, sp)) for p, sp in zip(prompts, params)]
+        e.run_until_idle()
+        for i in (1, 0):
+            seqs.append(e.submit(Sequence(prompts[i], params[i])))
+            e.run_until_idle()
+        return seqs
+
+    seqs = requests(warm)
+    compiled = prefill_jit.for_platform()._cache_size(), decode_jit.for_platform()._cache_size()
+    assert compiled == sizes
     # The reference: the module's engine, never warmed up, running the same requests with the
     # programs just compiled (engine == `sample`: the tests above).
-    cold = [engine.submit(Sequence(p, SamplingParams(max_new_tokens=6))) for p in prompts]
-    engine.run_until_idle()
-    assert [s.tokens for s in seqs] == [s.tokens for s in cold]
-    assert one.tokens == seqs[1].tokens
+    assert [s.tokens for s in seqs] == [s.tokens for s in requests(engine)]
+    assert seqs[4].tokens == seqs[1].tokens and seqs[5].tokens == seqs[0].tokens
     # and the second bucket's prompt (20 tokens, padded to 32) gets what `sample` gives it
     assert seqs[1].tokens == sample(model, prompts[1], max_new_tokens=6)
 
