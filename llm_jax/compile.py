@@ -16,7 +16,9 @@ slice or a simulated CPU mesh, with its per-chip memory (the compiling is llm_ja
 the engine's decode step that samples them (--batch slots), with their sum on one chip.
 `--program generate` compiles `llm_jax.sample` (prefill + decode loop, weights sharded by the
 rules); a config with `--config.lora.rank=R` compiles the LoRA step (QLoRA over packed experts
-with `--config.model.expert_format=mxfp4`).
+with `--config.model.expert_format=mxfp4`). Multi-slice (--num_slices, --dcn) and --hlo_out are
+the train step's, --prompt_len and --new_tokens generation's: given to another program, they
+are refused by name (`PROGRAM_FLAGS`).
 
 With --topology the devices are libtpu's compile-only description of that TPU slice (pip install
 "llm_jax[tpu]"; no TPU needed); with --cpu_devices N, N simulated CPU devices.
@@ -36,6 +38,18 @@ from llm_jax.parallel.sharding import parse_mesh
 from llm_jax.runtime.cli import fail, parse_flags
 from llm_jax.runtime.units import format_bytes
 from llm_jax.training.aot import compile_inference, compile_rl, compile_train_step, tpu_devices
+
+# Flags only some programs read: given with another program they are refused, not ignored.
+PROGRAM_FLAGS = {"num_slices": ("train",), "dcn": ("train",), "hlo_out": ("train",),
+                 "prompt_len": ("generate",), "new_tokens": ("generate",)}
+
+
+def check_program_flags(program: str, given: list[str]) -> None:
+    """Raises ValueError naming each flag in `given` that `program` does not read."""
+    unread = [f"--{name} (read by --program {' / '.join(PROGRAM_FLAGS[name])})"
+              for name in given if program not in PROGRAM_FLAGS.get(name, (program,))]
+    if unread:
+        raise ValueError(f"--program {program} does not read {', '.join(unread)}")
 
 
 def _fits(r: dict[str, Any]) -> str:
@@ -139,6 +153,7 @@ def main(argv: list[str]) -> None:
     del argv
     FLAGS = flags.FLAGS
     try:
+        check_program_flags(FLAGS.program, [n for n in PROGRAM_FLAGS if FLAGS[n].present])
         if FLAGS.topology:
             devices = tpu_devices(FLAGS.topology, FLAGS.num_slices)
         else:

@@ -123,6 +123,20 @@ def test_bad_mesh_for_the_topology_names_both_numbers():
     assert f"multiply to 3, but there are {n} devices" in out.stderr
 
 
+def test_a_flag_the_program_does_not_read_is_refused_by_name():
+    from llm_jax.compile import check_program_flags
+
+    check_program_flags("train", ["num_slices", "dcn", "hlo_out"])
+    check_program_flags("generate", ["prompt_len", "new_tokens"])
+    with pytest.raises(ValueError) as e:
+        check_program_flags("rl", ["dcn", "hlo_out", "new_tokens"])
+    assert str(e.value) == ("--program rl does not read --dcn (read by --program train), "
+                            "--hlo_out (read by --program train), --new_tokens (read by "
+                            "--program generate)")
+    with pytest.raises(ValueError, match="--program generate does not read --num_slices"):
+        check_program_flags("generate", ["num_slices"])
+
+
 # ------------------------------------------------------------------ TPU topologies (libtpu)
 
 
