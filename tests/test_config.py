@@ -1,5 +1,6 @@
 """ModelConfig (what a model is) and ExecutionConfig (how it runs): validation names the bad
-field, JSON round trip, usable as static jit arguments, one place for each field and its doc."""
+field, JSON round trip, usable as static jit arguments, one place for each field and its doc;
+the run config's helpers (where a fine-tuning run's tokenizer comes from)."""
 
 import dataclasses
 import re
@@ -17,6 +18,7 @@ from llm_jax.training.run_config import (
     default_run_config,
     execution_config,
     model_config,
+    tokenizer_source,
     validate_run_config,
 )
 
@@ -182,3 +184,18 @@ def test_config_files_build_valid_model_configs(name, monkeypatch):
     assert isinstance(cfg, ModelConfig)
     assert isinstance(execution_config(mod.get_config()), ExecutionConfig)
     sys.modules.pop(name, None)
+
+
+def test_the_tokenizer_source_is_the_run_sections_field_else_init_from():
+    cfg = default_run_config("t", ModelConfig())
+    cfg.train.init_from = "base"
+    assert tokenizer_source(cfg) == ("base", "train.init_from")
+    cfg.sft.tokenizer = "sft_tok"
+    assert tokenizer_source(cfg) == ("sft_tok", "sft.tokenizer")
+    cfg.dpo.files, cfg.dpo.tokenizer = "pairs.jsonl", "dpo_tok"
+    assert tokenizer_source(cfg) == ("dpo_tok", "dpo.tokenizer")
+    cfg.rl.rewards = "correct:1"
+    assert tokenizer_source(cfg) == ("base", "train.init_from")
+    # A saved run config (JSON) from before the rl section existed.
+    saved = {"train": {"init_from": "base"}, "sft": {"tokenizer": ""}}
+    assert tokenizer_source(saved) == ("base", "train.init_from")

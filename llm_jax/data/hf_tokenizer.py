@@ -12,12 +12,16 @@ OpenAI-compatible servers' name) also as `thinking` (gpt-oss's template reads th
 `arguments` given as a JSON string as the object it holds, and a `content` of None left out (a
 pure tool-call message), so data written for an OpenAI-style API renders as gpt-oss's template
 expects.
+
+A fine-tuning run keeps its own copy of these files in WORKDIR/tokenizer/ (`run_tokenizer`), so
+that resuming it, or exporting it, needs neither its base checkpoint nor `*.tokenizer`'s folder.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,12 +29,17 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 import tokenizers
+from absl import logging
 
 from llm_jax.data import harmony
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# What a checkpoint's text side is made of: the files a run copies and an export writes.
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, TEMPLATE_FILE, "special_tokens_map.json",
+                   "generation_config.json")
+RUN_TOKENIZER_DIR = "tokenizer"  # WORKDIR/tokenizer/: a run's own copy of TOKENIZER_FILES
 
 Message = dict[str, Any]
 
@@ -45,11 +54,64 @@ def _token_str(value: Any) -> str | None:
 
 
 def tokenizer_dir(path: str | Path) -> Path:
-    """The directory holding tokenizer.json: `path`, or its parent for an OpenAI original/."""
+    """The directory holding tokenizer.json: `path`, its parent for an OpenAI original/, or
+    its tokenizer/ for a fine-tuning workdir (the run's copy, `run_tokenizer`)."""
     p = Path(path)
-    if not (p / TOKENIZER_FILE).exists() and p.name == "original":
+    if (p / TOKENIZER_FILE).exists():
+        return p
+    if p.name == "original":
         return p.parent
+    if (p / RUN_TOKENIZER_DIR / TOKENIZER_FILE).is_file():
+        return p / RUN_TOKENIZER_DIR
     return p
+
+
+def run_tokenizer(workdir: str | Path, source: str, field: str, *, fresh: bool,
+                  write: bool) -> Path:
+    """The directory a run reads its tokenizer from: its own copy WORKDIR/tokenizer/, so that a
+    resumed run does not depend on `source` (`field`'s value, e.g. sft.tokenizer or
+    train.init_from) still being there.
+
+    `write` (process 0; the others read after it): on a fresh start (`fresh`: no checkpoint),
+    `source`'s tokenizer files replace any copy an earlier start left; resuming a run that has
+    no copy, they are copied now. A source without tokenizer.json is not copied: it is returned,
+    for the reader to refuse by name. Resuming, a source whose tokenizer.json differs from the
+    copy is refused (the token ids would change mid-run); a source that is gone is not needed."""
+    copy = Path(workdir) / RUN_TOKENIZER_DIR
+    src = tokenizer_dir(source)
+    has_source = bool(source) and (src / TOKENIZER_FILE).is_file()
+    if write and has_source and (fresh or not (copy / TOKENIZER_FILE).is_file()):
+        _copy_atomically(src, copy)
+    elif write and fresh:  # nothing to copy: an earlier start's copy must not be read
+        shutil.rmtree(copy, ignore_errors=True)
+    if not (copy / TOKENIZER_FILE).is_file():
+        return src
+    if not has_source:
+        logging.info("%s=%r holds no %s now: reading the run's copy in %s", field, source,
+                     TOKENIZER_FILE, copy)
+    elif (src / TOKENIZER_FILE).read_bytes() != (copy / TOKENIZER_FILE).read_bytes():
+        raise ValueError(
+            f"{field}={source!r}: its {src / TOKENIZER_FILE} differs from the one this run "
+            f"started with ({copy / TOKENIZER_FILE}), so the token ids would change mid-run. "
+            f"Point {field} back at the run's tokenizer (or at {copy}), or use a new --workdir")
+    return copy
+
+
+def _copy_atomically(src: Path, dst: Path) -> None:
+    """Copies the TOKENIZER_FILES that `src` holds into a temporary sibling of `dst`, then renames
+    it to `dst` (an older `dst` moved aside first): a crash never leaves a partial copy that a
+    resumed run would trust."""
+    tmp, old = dst.with_name(f".{dst.name}.tmp"), dst.with_name(f".{dst.name}.old")
+    for leftover in (tmp, old):  # from a start that crashed while copying
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, tmp / name)
+    if dst.exists():
+        dst.rename(old)
+    tmp.rename(dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def template_messages(messages: Sequence[Message]) -> list[Message]:

@@ -37,6 +37,7 @@ import glob
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -487,5 +488,7 @@ def write_task_tokenizer(task: Task, directory: str | Path, vocab_size: int) -> 
         vocab_size=vocab_size, special_tokens=list(harmony.SPECIAL_TOKENS.values()),
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    tok.save(str(d / TOKENIZER_FILE))
+    tmp = d / f".{TOKENIZER_FILE}.tmp"
+    tok.save(str(tmp))
+    os.replace(tmp, d / TOKENIZER_FILE)  # a crash never leaves half a file a resume would read
     return d

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from llm_jax.config import ModelConfig
 from llm_jax.data import make_datasets
+from llm_jax.data.hf_tokenizer import TOKENIZER_FILE, run_tokenizer
 from llm_jax.data.preference import PreferenceData, make_preference_data
 from llm_jax.data.sft import make_sft_data
 from llm_jax.data.tasks import make_task, write_task_tokenizer
@@ -50,7 +51,12 @@ from llm_jax.training.metrics import MetricsWriter, read_metrics
 from llm_jax.training.plots import plot_expert_load, plot_losses
 from llm_jax.training.preemption import Interrupted, StopRequest, save_and_stop
 from llm_jax.training.rl_loop import train_rl
-from llm_jax.training.run_config import execution_config, rl_enabled, validate_run_config
+from llm_jax.training.run_config import (
+    execution_config,
+    rl_enabled,
+    tokenizer_source,
+    validate_run_config,
+)
 from llm_jax.training.step import Steps, compile_steps, make_optimizer
 from llm_jax.training.workdir_lock import hold_workdir
 from llm_jax.weights.checkpointing import Checkpointer
@@ -178,7 +184,7 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> Ru
     # compiler start, so that they do not share the cores with it (runtime/peak.py).
     peak, peak_source = ((tc.peak_flops, "train.peak_flops") if tc.peak_flops
                          else peak_flops(mcfg.dtype))
-    data = _open_data(cfg, workdir, mcfg)
+    data = _open_data(cfg, workdir, mcfg, fresh=latest is None)
     if latest is not None:  # refused here: Orbax failing on it would quarantine the checkpoint
         data.check_checkpoint(ckpt.step_dir(latest))
     if stop.signum:  # a signal during start-up: nothing new to save
@@ -225,26 +231,32 @@ def _step_functions(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     return preference.step_functions(preference.PreferenceConfig.from_section(cfg.dpo))
 
 
-def _open_data(cfg: ml_collections.ConfigDict, workdir: str, mcfg: ModelConfig) -> Any:
+def _open_data(cfg: ml_collections.ConfigDict, workdir: str, mcfg: ModelConfig, *,
+               fresh: bool) -> Any:
     """The pre-training, SFT or preference data, its tokenizer checked against the model's
-    vocabulary.
-    Process 0 builds the tokenizer (and a named TFDS dataset) in the workdir; the others read
-    them."""
+    vocabulary. Process 0 builds the tokenizer (and a named TFDS dataset) in the workdir, or
+    copies a fine-tuning run's there (`fresh`: no checkpoint yet); the others read them."""
     tc, is_main = cfg.train, jax.process_index() == 0
     if not is_main:
         distributed.barrier("data")
     from_task = bool(cfg.task.name and not (cfg.sft.files or cfg.sft.tfds_name))
     chat = bool(cfg.sft.files or cfg.sft.tfds_name or cfg.dpo.files) or from_task
     if cfg.dpo.files:
-        data = make_preference_data(cfg.dpo, tokenizer_path=cfg.dpo.tokenizer or tc.init_from,
+        tokenizer = str(run_tokenizer(workdir, *tokenizer_source(cfg), fresh=fresh,
+                                      write=is_main))
+        data = make_preference_data(cfg.dpo, tokenizer_path=tokenizer,
                                     seq_len=cfg.data.seq_len, batch_size=tc.batch_size,
                                     seed=cfg.seed)
     elif chat:
-        tokenizer = cfg.sft.tokenizer or tc.init_from
-        if from_task and not tokenizer:  # a model trained from scratch on the task
+        if from_task and not (cfg.sft.tokenizer or tc.init_from):
+            # A model trained from scratch on the task: its tokenizer is written into the
+            # workdir once, and a resumed run reads that file.
             tokenizer = workdir
-            if is_main:
+            if is_main and (fresh or not os.path.exists(os.path.join(workdir, TOKENIZER_FILE))):
                 write_task_tokenizer(make_task(cfg.task), workdir, mcfg.vocab_size)
+        else:
+            tokenizer = str(run_tokenizer(workdir, *tokenizer_source(cfg), fresh=fresh,
+                                          write=is_main))
         data = make_sft_data(cfg.sft, tokenizer_path=tokenizer, seq_len=cfg.data.seq_len,
                              batch_size=tc.batch_size, seed=cfg.seed,
                              task=cfg.task if from_task else None)

@@ -23,8 +23,10 @@ refused unless rl.allow_dropping_dispatch.
 Resume is exact: params, optimizer, step and prompt index are restored, and step n's rollout
 draws from a seed derived from (seed, n), so a resumed run samples, scores and updates as the
 uninterrupted one would. A checkpoint stores the task's identity and the rewards; a resumed run
-with either changed is refused by name. A reward that raises or returns a non-finite value
-stops the run naming it (RewardError); nothing saved is touched.
+with either changed is refused by name. The tokenizer is the copy the first start made in
+WORKDIR/tokenizer/ (a changed rl.tokenizer is refused; a deleted one is not needed). A reward
+that raises or returns a non-finite value stops the run naming it (RewardError); nothing saved
+is touched.
 
 Metrics (metrics.jsonl, TensorBoard), per logged step: reward_mean / reward_std, reward_<name>
 (each reward's unweighted mean), pass_rate (share of completions whose weighted reward reaches
@@ -57,6 +59,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from llm_jax.config import ModelConfig
+from llm_jax.data.hf_tokenizer import run_tokenizer
 from llm_jax.data.tasks import Example, Task, make_task
 from llm_jax.execution import ExecutionConfig
 from llm_jax.inference.engine import Engine
@@ -73,7 +76,7 @@ from llm_jax.training.preemption import Interrupted, StopRequest, save_and_stop
 from llm_jax.training.rewards import parse_rewards, reply_of, score
 from llm_jax.training.rl_step import completion_logprobs, rl_objective
 from llm_jax.training.rollouts import Completion, rl_batch, rollout
-from llm_jax.training.run_config import execution_config, rl_loss_config
+from llm_jax.training.run_config import execution_config, rl_loss_config, tokenizer_source
 from llm_jax.training.step import Steps, TrainState, compile_steps, make_optimizer
 from llm_jax.weights.checkpointing import Checkpointer
 
@@ -152,7 +155,7 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> RL
     identity = run_identity(task, rewards)
     if latest is not None:
         check_same_task(ckpt.restore_config(latest), identity, ckpt.directory)
-    tokenizer = _tokenizer(cfg, mcfg)
+    tokenizer = _tokenizer(cfg, mcfg, workdir, fresh=latest is None)
     context = mcfg.initial_context_length * max(mcfg.rope_scaling_factor, 1.0)
     length = rc.max_prompt_tokens + rc.max_new_tokens
     if length > context:
@@ -251,23 +254,26 @@ def check_same_task(saved: dict[str, Any], identity: dict[str, Any], directory: 
                          "config, to continue")
 
 
-def _tokenizer(cfg: ml_collections.ConfigDict, mcfg: ModelConfig) -> CheckpointTokenizer:
-    path = cfg.rl.tokenizer or cfg.train.init_from
-    field = "rl.tokenizer" if cfg.rl.tokenizer else "train.init_from"
-    if not path:
+def _tokenizer(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, workdir: str, *,
+               fresh: bool) -> CheckpointTokenizer:
+    """rl.tokenizer's (default train.init_from's) tokenizer, read from the run's copy in the
+    workdir (llm_jax.data.hf_tokenizer.run_tokenizer), checked for a chat template and size."""
+    source, field = tokenizer_source(cfg)
+    if not source:
         raise ValueError("RL renders prompts with a chat template: set rl.tokenizer (or "
                          "train.init_from) to a directory holding tokenizer.json")
+    path = run_tokenizer(workdir, source, field, fresh=fresh, write=jax.process_index() == 0)
     tokenizer = load_tokenizer(path)
     if tokenizer is None or not tokenizer.has_chat_template:
-        raise ValueError(f"{field}={path!r} has no chat template (chat_template.jinja, "
+        raise ValueError(f"{field}={source!r} has no chat template (chat_template.jinja, "
                          "'chat_template' in tokenizer_config.json, or harmony's tokens): RL "
                          "renders the task's prompts as conversations")
     if tokenizer.vocab_size > mcfg.vocab_size:
-        raise ValueError(f"{field}={path!r}: the tokenizer has {tokenizer.vocab_size} tokens, "
-                         f"more than the model's vocab_size={mcfg.vocab_size}")
+        raise ValueError(f"{field}={source!r}: the tokenizer has {tokenizer.vocab_size} "
+                         f"tokens, more than the model's vocab_size={mcfg.vocab_size}")
     if not tokenizer.stop_ids:
         logging.warning("%s=%r names no stop token: every completion runs to rl.max_new_tokens",
-                        field, path)
+                        field, source)
     return tokenizer
 
 

@@ -111,7 +111,9 @@ def _sft() -> ml_collections.ConfigDict:
     c.tfds_name = ""  # or a TFDS dataset with such features
     c.tfds_split = "train"
     c.data_dir = ""  # TFDS data_dir; "" = TFDS's default
-    c.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
+    # A directory with tokenizer.json + chat template ("" = train.init_from), copied into
+    # WORKDIR/tokenizer/ on the run's first start: a resumed run reads the copy.
+    c.tokenizer = ""
     c.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
     c.validation_fraction = 0.05  # conversations held out (by hash) for val_loss; 0 = none
     # Harmony (gpt-oss) conversations: the channels of the assistant's messages in the loss,
@@ -134,7 +136,9 @@ def _dpo() -> ml_collections.ConfigDict:
     # files is set: pairs of responses instead of `data` or `sft`.
     c = ml_collections.ConfigDict()
     c.files = ""  # glob of JSONL files of {"prompt", "chosen", "rejected"}
-    c.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
+    # A directory with tokenizer.json + chat template ("" = train.init_from), copied into
+    # WORKDIR/tokenizer/ on the run's first start: a resumed run reads the copy.
+    c.tokenizer = ""
     c.loss = "dpo"  # dpo (against a reference policy) | simpo (reference-free)
     c.beta = 0.1  # DPO: the reward's scale, 1 / the KL penalty; SimPO: its reward scale
     c.label_smoothing = 0.0  # DPO: the chance a pair's label is wrong (conservative DPO)
@@ -184,7 +188,9 @@ def _rl() -> ml_collections.ConfigDict:
     c.eval_examples = 64
     c.engine_slots = 0  # sequences the rollout engine decodes together; 0 = the whole batch
     c.engine_max_prefill = 8  # prompts prefilled in one call
-    c.tokenizer = ""  # directory with tokenizer.json + chat template; "" = train.init_from
+    # A directory with tokenizer.json + chat template ("" = train.init_from), copied into
+    # WORKDIR/tokenizer/ on the run's first start: a resumed run reads the copy.
+    c.tokenizer = ""
     return c
 
 
@@ -331,6 +337,17 @@ def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
 def rl_enabled(cfg: ml_collections.ConfigDict) -> bool:
     """Whether the run is RL (`rl.rewards` set) rather than language-model training."""
     return bool(cfg.rl.rewards)
+
+
+def tokenizer_source(cfg: ml_collections.ConfigDict | dict) -> tuple[str, str]:
+    """(the directory a fine-tuning run's tokenizer comes from, the field that names it): the
+    `tokenizer` of the run's section (rl with rl.rewards set, dpo with dpo.files, else sft),
+    else train.init_from. Also reads a saved run config (a dict; older ones lack sections)."""
+    section = ("rl" if cfg.get("rl", {}).get("rewards") else
+               "dpo" if cfg.get("dpo", {}).get("files") else "sft")
+    if own := cfg.get(section, {}).get("tokenizer"):
+        return own, f"{section}.tokenizer"
+    return cfg["train"].get("init_from") or "", "train.init_from"
 
 
 def rl_loss_config(rl: ml_collections.ConfigDict) -> PolicyLossConfig:
