@@ -4,12 +4,15 @@
         [--dtype bfloat16] [--expert_format dense|mxfp4]
 
 `--hf` merges LoRA adapters into the base (`w + (alpha/r) A B`) and writes a checkpoint that
-`GptOssForCausalLM.from_pretrained` loads, with the tokenizer files of `train.init_from` (or
-`sft.tokenizer`) copied beside it: weights in `--dtype` (default: the base's param_dtype), the
-experts dense (packed MXFP4 experts are unpacked exactly before the merge) or, with
+`GptOssForCausalLM.from_pretrained` loads, weights in `--dtype` (default: the base's param_dtype),
+the experts dense (packed MXFP4 experts are unpacked exactly before the merge) or, with
 `--expert_format mxfp4`, the merged experts quantized again to MXFP4 as gpt-oss ships them
-(lossy: the relative RMS error of each re-quantized stack is printed and returned). `--adapters` writes `adapters.safetensors` +
-`adapters.json`, which `python -m llm_jax.generate --adapters` loads onto the base unmerged.
+(lossy: the relative RMS error of each re-quantized stack is printed and returned). Beside them go
+the run's tokenizer files: its own copy in WORKDIR/tokenizer/, or, for a run made before runs
+kept one, those of its section's `tokenizer` (sft, dpo or rl), else of `train.init_from`; when
+no tokenizer.json is found, a warning says that the output has none. `--adapters` writes
+`adapters.safetensors` + `adapters.json`, which `python -m llm_jax.generate --adapters` loads onto
+the base unmerged.
 Each output is written to a temporary sibling and renamed into place when complete.
 """
 
@@ -24,26 +27,26 @@ from typing import NamedTuple
 
 from llm_jax.config import DTYPES, EXPERT_FORMATS
 from llm_jax.convert import check_destination, write_atomically
-from llm_jax.data.hf_tokenizer import TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILE, tokenizer_dir
+from llm_jax.data.hf_tokenizer import TOKENIZER_FILE, TOKENIZER_FILES, tokenizer_dir
 from llm_jax.runtime.cli import ArgumentParser
 from llm_jax.training.finetune import restore_finetuned
+from llm_jax.training.run_config import tokenizer_source
 from llm_jax.weights.adapters import merge_lora, merge_lora_mxfp4, save_adapters
 from llm_jax.weights.writers import save_hf
-
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, TEMPLATE_FILE, "special_tokens_map.json",
-                   "generation_config.json")
 
 
 class Exported(NamedTuple):
     paths: list[Path]  # the outputs written
     # Relative RMS error of each expert stack re-quantized to MXFP4 (expert_format="mxfp4").
     quantization_error: dict[str, float]
+    warnings: tuple[str, ...] = ()  # what the outputs lack (a model exported without tokenizer)
 
 
 def export(workdir: str, *, hf: str | None = None, adapters: str | None = None,
            step: int | None = None, overwrite: bool = False, dtype: str | None = None,
            expert_format: str = "dense") -> Exported:
-    """Writes the requested outputs; returns their paths (and the re-quantization errors)."""
+    """Writes the requested outputs; returns their paths, the re-quantization errors and what
+    the outputs lack (`Exported.warnings`)."""
     if not hf and not adapters:
         raise ValueError("nothing to export: pass --hf and/or --adapters")
     if expert_format not in EXPERT_FORMATS:
@@ -56,7 +59,7 @@ def export(workdir: str, *, hf: str | None = None, adapters: str | None = None,
             check_destination(dst, overwrite, flag)
     model, run = restore_finetuned(workdir, step)
     lora = run.get("lora", {})
-    out, errors = [], {}
+    out, errors, warnings = [], {}, ()
     if adapters:
         if not lora.get("rank"):
             raise ValueError(f"{workdir} is a full fine-tuning run (lora.rank=0): no adapters")
@@ -67,17 +70,32 @@ def export(workdir: str, *, hf: str | None = None, adapters: str | None = None,
             merged, errors = merge_lora_mxfp4(model, dtype=dtype)
         else:
             merged = merge_lora(model, dtype=dtype)
-        source = run.get("sft", {}).get("tokenizer") or run["train"].get("init_from", "")
+        tokenizer = run_tokenizer_files(workdir, run)
+        if tokenizer is None:
+            source, field = tokenizer_source(run)
+            warnings = (f"no {TOKENIZER_FILE} in {workdir} nor in {field}={source!r}: {hf} holds "
+                        "the model without its tokenizer; copy the base's tokenizer files "
+                        "there",)
 
         def write(tmp: Path) -> None:
             save_hf(merged, tmp)
-            src = tokenizer_dir(source) if source else None
-            for name in TOKENIZER_FILES if src else ():
-                if (src / name).is_file():
-                    shutil.copyfile(src / name, tmp / name)
+            for name in TOKENIZER_FILES if tokenizer is not None else ():
+                if (tokenizer / name).is_file():
+                    shutil.copyfile(tokenizer / name, tmp / name)
 
         out.append(write_atomically(hf, write))
-    return Exported(out, errors)
+    return Exported(out, errors, warnings)
+
+
+def run_tokenizer_files(workdir: str, run: dict) -> Path | None:
+    """The directory holding a fine-tuning run's tokenizer files: its copy in WORKDIR/tokenizer/
+    (or the task tokenizer a run from scratch wrote into WORKDIR), else, for a run made before
+    copies were kept, the source its config names (`tokenizer_source`); None if none has
+    tokenizer.json."""
+    for path in (workdir, tokenizer_source(run)[0]):
+        if path and (tokenizer_dir(path) / TOKENIZER_FILE).is_file():
+            return tokenizer_dir(path)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: merged experts re-quantized to MXFP4, relative RMS error {err:.4f}")
     for p in result.paths:
         print(f"wrote {p}")
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     return 0
 
 

@@ -28,14 +28,14 @@ from flax import nnx  # noqa: E402
 from helpers import stop_after_step  # noqa: E402
 
 from llm_jax import load_pretrained  # noqa: E402
-from llm_jax.data.hf_tokenizer import HFTokenizer  # noqa: E402
+from llm_jax.data.hf_tokenizer import HFTokenizer, run_tokenizer  # noqa: E402
 from llm_jax.data.sft import (  # noqa: E402
     make_sft_data,
     split_conversations,
     tokenize_conversation,
 )
 from llm_jax.execution import ExecutionConfig  # noqa: E402
-from llm_jax.export import export  # noqa: E402
+from llm_jax.export import export, run_tokenizer_files  # noqa: E402
 from llm_jax.model.lora import LoRAParam, add_lora  # noqa: E402
 from llm_jax.training.finetune import restore_finetuned  # noqa: E402
 from llm_jax.training.loop import train  # noqa: E402
@@ -260,6 +260,9 @@ def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl
     with pytest.raises(Interrupted, match="after step 12"):
         train(cfg, str(tmp_path / "run"))
     monkeypatch.undo()
+    # The base the run started from is gone from here on: the export and the resume read the
+    # workdir alone (its checkpoint, and the copy of the tokenizer its first start made).
+    shutil.rmtree(src)
     model, run = restore_finetuned(str(tmp_path / "run"))
     base = load_pretrained(ckpt)
     before, after = base_loss, _assistant_loss(model, ckpt, jsonl)
@@ -269,7 +272,9 @@ def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl
                                   np.asarray(base.layers.attn.q_proj[...]))  # frozen
     assert np.abs(np.asarray(model.layers.mlp.down_proj_lora_b[...])).max() > 0
     # The trained run exported: merged HF checkpoint (+ tokenizer) and the adapters alone.
-    export(str(tmp_path / "run"), hf=str(tmp_path / "hf"), adapters=str(tmp_path / "ad"))
+    exported = export(str(tmp_path / "run"), hf=str(tmp_path / "hf"),
+                      adapters=str(tmp_path / "ad"))
+    assert exported.warnings == ()
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 20))
     hf = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
     hf.config._attn_implementation = "eager"
@@ -277,9 +282,8 @@ def test_lora_sft_trains_only_adapters_and_resumes_without_init_from(ckpt, jsonl
         got = hf.eval()(torch.from_numpy(tokens)).logits.numpy()
     assert np.abs(got - np.asarray(model(jnp.asarray(tokens, jnp.int32)))).max() < 1e-4
     assert HFTokenizer(tmp_path / "hf").vocab_size == HFTokenizer(ckpt).vocab_size
+    assert (tmp_path / "hf" / "chat_template.jinja").read_text() == TEMPLATE
     assert (tmp_path / "ad" / "adapters.safetensors").is_file()
-    # Resuming reads the workdir's checkpoint, not init_from (gone now).
-    (src / "model.safetensors").unlink()
     train(cfg, str(tmp_path / "run"))
     assert [r["step"] for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))] == list(
         range(1, 15))
@@ -291,6 +295,18 @@ def test_init_from_shape_override_is_refused(ckpt, jsonl, tmp_path):
     cfg.model.dtype = "bfloat16"  # a conversion of the weights may differ
     with pytest.raises(ValueError, match=r"model\.hidden_size=64 \(checkpoint: 32\)"):
         train(cfg, str(tmp_path))
+
+
+def test_export_takes_the_runs_tokenizer_copy_else_the_source_its_config_names(ckpt, tmp_path):
+    work = tmp_path / "run"
+    work.mkdir()
+    run = {"train": {"init_from": str(tmp_path / "gone")},
+           "dpo": {"files": "pairs.jsonl", "tokenizer": str(ckpt)}}
+    assert run_tokenizer_files(str(work), run) == ckpt  # a run from before copies were kept
+    run_tokenizer(work, str(ckpt), "dpo.tokenizer", fresh=True, write=True)
+    assert run_tokenizer_files(str(work), run) == work / "tokenizer"
+    shutil.rmtree(work / "tokenizer")
+    assert run_tokenizer_files(str(work), {"train": {"init_from": ""}}) is None
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
