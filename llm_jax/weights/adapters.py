@@ -141,7 +141,9 @@ def _running_as(merged: nnx.Module, model: nnx.Module) -> nnx.Module:
 
 
 def save_adapters(model: nnx.Module, directory: str | Path, *, rank: int, alpha: float) -> Path:
-    """Writes the adapters alone (a few MB where the model is GBs)."""
+    """Writes the adapters alone, without the base weights: adapters.safetensors (float32; an
+    A and B per expert and layer for the expert targets) and adapters.json (rank, alpha,
+    targets and the base model's config)."""
     lora = adapter_params(model)
     if not lora:
         raise ValueError("the model has no LoRA adapters to save")
