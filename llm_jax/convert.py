@@ -20,14 +20,12 @@ so a failing run leaves `--dst` as it was. A non-empty `--dst` is refused unless
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llm_jax.runtime.cli import ArgumentParser
+from llm_jax.runtime.files import write_atomically
 from llm_jax.weights import mxfp4, readers, writers
 
 WRITERS = {
@@ -72,26 +70,6 @@ def check_destination(dst: str | Path, overwrite: bool, flag: str = "--dst") -> 
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
         raise ValueError(f"{flag} {dst} exists and is not empty; pass --overwrite to replace it")
-
-
-def write_atomically(dst: str | Path, write: Callable[[Path], object]) -> Path:
-    """`write(tmp)` into a temporary sibling of `dst`, then renamed into place."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        write(tmp)
-        if dst.exists():  # move the old one aside first, so that no moment has neither
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / dst.name)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return dst
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from llm_jax.config import DTYPES, EXPERT_FORMATS
-from llm_jax.convert import check_destination, write_atomically
+from llm_jax.convert import check_destination
 from llm_jax.data.hf_tokenizer import TOKENIZER_FILE, TOKENIZER_FILES, tokenizer_dir
 from llm_jax.runtime.cli import ArgumentParser
+from llm_jax.runtime.files import write_atomically
 from llm_jax.training.finetune import restore_finetuned
 from llm_jax.training.run_config import tokenizer_source
 from llm_jax.weights.adapters import merge_lora, merge_lora_mxfp4, save_adapters

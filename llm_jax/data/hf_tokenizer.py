@@ -32,6 +32,7 @@ import tokenizers
 from absl import logging
 
 from llm_jax.data import harmony
+from llm_jax.runtime.files import write_atomically
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -98,20 +99,15 @@ def run_tokenizer(workdir: str | Path, source: str, field: str, *, fresh: bool,
 
 
 def _copy_atomically(src: Path, dst: Path) -> None:
-    """Copies the TOKENIZER_FILES that `src` holds into a temporary sibling of `dst`, then renames
-    it to `dst` (an older `dst` moved aside first): a crash never leaves a partial copy that a
-    resumed run would trust."""
-    tmp, old = dst.with_name(f".{dst.name}.tmp"), dst.with_name(f".{dst.name}.old")
-    for leftover in (tmp, old):  # from a start that crashed while copying
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, tmp / name)
-    if dst.exists():
-        dst.rename(old)
-    tmp.rename(dst)
-    shutil.rmtree(old, ignore_errors=True)
+    """Copies the TOKENIZER_FILES that `src` holds to `dst` through a temporary sibling: a
+    crash never leaves a partial copy that a resumed run would trust."""
+
+    def copy(tmp: Path) -> None:
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+
+    write_atomically(dst, copy)
 
 
 def template_messages(messages: Sequence[Message]) -> list[Message]:
@@ -151,7 +147,8 @@ class HFTokenizer:
         tok_path = d / TOKENIZER_FILE
         if not tok_path.is_file():
             raise ValueError(f"tokenizer file {tok_path} does not exist: the checkpoint needs "
-                             f"its {TOKENIZER_FILE} (set sft.tokenizer to a directory holding one)")
+                             f"its {TOKENIZER_FILE} (in a fine-tuning run, point sft.tokenizer, "
+                             "dpo.tokenizer or rl.tokenizer at a directory holding one)")
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(tok_path))
         except MemoryError:
