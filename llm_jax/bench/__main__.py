@@ -1,9 +1,9 @@
 """`python -m llm_jax.bench SUBCOMMAND`: print a table, write JSON (--json_out).
 
 Subcommands: peak, train, malloc, decode, prefill, moe, norm, attention, data, finetune, stacks,
-serve, serve_harmony, mxfp4, rl (one module each in llm_jax/bench/). Every one takes --repeats N, --quick (tiny sizes,
-for tests) and --json_out FILE (default runs/bench/SUBCOMMAND.json). Results and how to read
-them: docs/benchmarks.md.
+serve, serve_harmony, mxfp4, rl (one module each in llm_jax/bench/). Every one takes
+--repeats N, --quick (tiny sizes and few repeats, for tests) and --json_out FILE (default
+runs/bench/SUBCOMMAND.json). Results and how to read them: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--repeats", type=int, default=5, help="timed calls per contender")
-        p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (tests)")
+        p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (tests)")
         p.add_argument("--json_out", default=None, help="JSON file (default runs/bench/NAME.json)")
         module.add_arguments(p)
     args = parser.parse_args(argv)
