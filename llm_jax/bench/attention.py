@@ -1,7 +1,7 @@
 """Attention forward + backward: the direct T x S path against the block-sparse one as T grows,
 one layer with and without a sliding window, and a 2-layer model with and without one.
 
-    python -m llm_jax.bench attention [--repeats 3] [--parts sweep,layers,model]
+    python -m llm_jax.bench attention [--repeats 5] [--parts sweep,layers,model]
         [--seq_lens 512,1024,2048,4096,8192] [--block 64] [--q_block 128] [--window 0]
         [--seq_len 8192] [--baseline FILE]
 

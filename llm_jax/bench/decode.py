@@ -1,6 +1,6 @@
 """Decode tokens/s and prefill time beside transformers' `generate`, on the same weights.
 
-    python -m llm_jax.bench decode [--repeats 3] [--batches 1,8] [--prompt_len 128]
+    python -m llm_jax.bench decode [--repeats 5] [--batches 1,8] [--prompt_len 128]
         [--new_tokens 256] [--no_hf] [--mxfp4]
 
 Random weights of configs/tiny.py's model, greedy: llm_jax's on-device decode loop

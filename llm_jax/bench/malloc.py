@@ -1,6 +1,6 @@
 """The trainer's step under each malloc: one fresh process per timed call, alternating.
 
-    python -m llm_jax.bench malloc [--repeats 3] [--steps 5] [--mallocs system,glibc,mimalloc]
+    python -m llm_jax.bench malloc [--repeats 5] [--steps 5] [--mallocs system,glibc,mimalloc]
 
 A malloc is chosen at process start, so each contender is a child process (`system`: glibc as
 it is; `glibc`: glibc tuned in-process by `tune_glibc`; `mimalloc`, `tcmalloc`: preloaded,

@@ -1,6 +1,6 @@
 """RMSNorm against LayerNorm in the real train step (`ModelConfig.norm_type` rms | layer).
 
-    python -m llm_jax.bench norm [--repeats 7] [--steps 2] [--shape 8x256] [--dtype float32]
+    python -m llm_jax.bench norm [--repeats 5] [--steps 2] [--shape 8x256] [--dtype float32]
 
 The seed book says RMSNorm trains 7-9 % faster than LayerNorm (measured in transformers); here
 both variants of configs/tiny.py run `compile_steps`' step on the same batch, alternating A B A B

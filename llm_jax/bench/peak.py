@@ -1,6 +1,6 @@
 """The machine's measured matmul FLOP/s: the denominator of every MFU figure.
 
-    python -m llm_jax.bench peak [--repeats 9] [--n 2048]
+    python -m llm_jax.bench peak [--repeats 5] [--n 2048]
 
 float32, and bfloat16 inputs with float32 accumulation, via `llm_jax.runtime.peak`: XLA's dot
 and NumPy's BLAS for float32, each the best of `repeats` n x n x n matmuls; the peak is the

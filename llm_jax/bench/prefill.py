@@ -1,6 +1,6 @@
 """Long-prompt prefill: time and the whole process's peak RSS, one fresh process per length.
 
-    python -m llm_jax.bench prefill [--prompt_lens 8192,32768] [--window 128] [--repeats 2]
+    python -m llm_jax.bench prefill [--prompt_lens 8192,32768] [--window 128] [--repeats 5]
 
 configs/tiny.py's model with random weights and `sliding_window` set (even layers slide), batch 1,
 the jitted `inference.loop.prefill` into a cache of prompt + 16 slots. Each length runs in its

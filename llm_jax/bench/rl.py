@@ -1,6 +1,6 @@
 """RL on the engine: what MoE routing replay removes in bfloat16, and rollouts at engine speed.
 
-    python -m llm_jax.bench rl [--repeats 3] [--prompts 4] [--group 8] [--prompt_len 32]
+    python -m llm_jax.bench rl [--repeats 5] [--prompts 4] [--group 8] [--prompt_len 32]
         [--new_tokens 96] [--steps 4]
 
 Random weights of configs/tiny.py's model (4 layers, 16 experts, top-2) in bfloat16 (dtype and

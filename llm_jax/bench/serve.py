@@ -1,7 +1,7 @@
 """The server under load: continuous batching's throughput beside `sample`, and first-token
 latency of a short request that arrives while long ones run.
 
-    python -m llm_jax.bench serve [--repeats 3] [--requests 32] [--new_tokens 128]
+    python -m llm_jax.bench serve [--repeats 5] [--requests 32] [--new_tokens 128]
         [--min_prompt 16] [--max_prompt 256]
 
 Random weights of configs/tiny.py's model, saved and served by `python -m llm_jax.serve` in a

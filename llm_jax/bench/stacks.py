@@ -1,7 +1,7 @@
 """The same train step and decode under two Python / JAX stacks (two venvs), run by turns.
 
     python -m llm_jax.bench stacks --pythons .venv/bin/python,.venv312/bin/python
-        [--repeats 3] [--shape 8x256] [--batch 8] [--new_tokens 128]
+        [--repeats 5] [--shape 8x256] [--batch 8] [--new_tokens 128]
 
 Each interpreter must have llm_jax installed (`pip install -e .` in its venv). One round runs
 `bench train` (llm_jax only, float32) and then `bench decode` (llm_jax only) once under each
