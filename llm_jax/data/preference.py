@@ -186,6 +186,9 @@ class PreferenceData:
     too_long: BadLines  # pairs longer than seq_len + 1 tokens, skipped
     batch_size: int  # pairs per process
     process_count: int
+    # Whether any process holds out a pair: then every process runs the eval batches, those
+    # whose share is empty on padding only (an eval step is collective).
+    held_out: bool = False
 
     def check_checkpoint(self, step_dir: str) -> None:
         """Raises ValueError if the data state saved in `step_dir` was not made by these pairs
@@ -220,11 +223,12 @@ class PreferenceData:
     def padded_batches(self, split: str, num_batches: int
                        ) -> Iterator[dict[str, np.ndarray]]:
         """`num_batches` batches of this process's "train" or "eval" pairs in order, unshuffled,
-        padded with empty pairs (no response token) where the pairs run out."""
+        padded with empty pairs (no response token) where the pairs run out: every array a
+        training batch has, `reference_logp` included once attached, whatever this share holds."""
         rows = self.rows if split == "train" else self.eval_rows
         for i in range(num_batches):
             batch = {k: np.zeros((self.batch_size, *v.shape[1:]), v.dtype)
-                     for k, v in self.rows.items()}
+                     for k, v in self._batch_arrays().items()}
             for k, v in rows.items():
                 part = v[i * self.batch_size:(i + 1) * self.batch_size]
                 batch.setdefault(k, np.zeros((self.batch_size, *v.shape[1:]), v.dtype))
@@ -233,14 +237,14 @@ class PreferenceData:
 
     def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """The first `num_batches` batches of this process's held-out pairs (`padded_batches`),
-        so every process runs the same number (None = the whole share: one process only).
-        Nothing when nothing is held out."""
-        if not self.eval_rows:
+        so every process runs the same number, an empty share on padding only (None = the whole
+        share: one process only). Nothing when no process holds anything out."""
+        if not self.held_out:
             return
         if num_batches is None and self.process_count > 1:
             raise ValueError("make_eval_iter(None) reads each process's whole share, a "
                              "different number of batches per process: pass num_batches")
-        n = -(-len(self.eval_rows["inputs"]) // self.batch_size)
+        n = -(-len(self.eval_rows.get("inputs", ())) // self.batch_size)
         yield from self.padded_batches("eval", n if num_batches is None else num_batches)
 
 
@@ -296,9 +300,12 @@ def make_preference_data(dpo: Any, *, tokenizer_path: str, seq_len: int, batch_s
                          f"fewer than its batch of {local_batch} (train.batch_size={batch_size};"
                          f" {bad.count} malformed, {too_long.count} longer than data.seq_len="
                          f"{seq_len})")
-    if fraction > 0 and not eval_rows:
-        logging.warning("preference data %r: dpo.validation_fraction=%s holds out no pair for "
-                        "process %d: no held-out accuracy", dpo.files, fraction, process_index)
+    if fraction > 0 and not held:
+        logging.warning("preference data %r: dpo.validation_fraction=%s holds out no pair: no "
+                        "held-out accuracy", dpo.files, fraction)
+    elif held and not eval_rows:
+        logging.info("preference data %r: process %d renders none of the %d held-out pairs: "
+                     "its eval batches are padding", dpo.files, process_index, len(held))
     logging.info("preference data %s: %d train / %d held-out pairs; process %d of %d renders "
                  "%d train pairs", dpo.files, len(train), len(held), process_index,
                  process_count, len(rows["inputs"]))
@@ -311,4 +318,4 @@ def make_preference_data(dpo: Any, *, tokenizer_path: str, seq_len: int, batch_s
                 "validation_fraction": fraction, "process_index": process_index,
                 "process_count": process_count}
     return PreferenceData(PairIterator(iter(ds), identity), tok, dpo.files, rows, eval_rows,
-                          bad, too_long, local_batch, process_count)
+                          bad, too_long, local_batch, process_count, held_out=bool(held))

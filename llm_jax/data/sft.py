@@ -368,6 +368,9 @@ class SFTData:
     bad_lines: BadLines
     batch_size: int  # per process
     process_count: int
+    # Whether any process holds out a conversation: then every process runs the eval batches,
+    # those whose share is empty on padding only (an eval step is collective).
+    held_out: bool = False
     # A few conversations up to their last assistant turn (held out when there are such): what
     # the run samples replies to at its end.
     sample_conversations: list[Conversation] = dataclasses.field(default_factory=list)
@@ -395,15 +398,16 @@ class SFTData:
 
     def make_eval_iter(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """The first `num_batches` batches of this process's held-out rows, unshuffled, padded
-        with empty batches where the share is shorter, so every process runs the same number
-        (None = the whole share: one process only). Nothing when nothing is held out."""
-        if not self.eval_rows:
+        with empty batches where its share is shorter or empty, so every process runs the same
+        number (None = the whole share: one process only). Nothing when no process holds
+        anything out."""
+        if not self.held_out:
             return
-        n = -(-len(self.eval_rows["inputs"]) // self.batch_size)
         if num_batches is None and self.process_count > 1:
             raise ValueError("make_eval_iter(None) reads each process's whole share, a "
                              "different number of batches per process: pass num_batches")
-        seq_len = self.eval_rows["inputs"].shape[1]
+        n = -(-len(self.eval_rows.get("inputs", ())) // self.batch_size)
+        seq_len = self.rows["inputs"].shape[1]
         for i in range(n if num_batches is None else num_batches):
             batch = _empty_rows(self.batch_size, seq_len)
             part = {k: v[i * self.batch_size:(i + 1) * self.batch_size]
@@ -463,9 +467,12 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
                          f"{seq_len} tokens for process {process_index} of {process_count}: "
                          f"fewer than its batch of {local_batch} (train.batch_size="
                          f"{batch_size})")
-    if fraction > 0 and not eval_rows:
-        logging.warning("SFT data %r: sft.validation_fraction=%s holds out no conversation "
-                        "for process %d: no val_loss", name, fraction, process_index)
+    if fraction > 0 and not held:
+        logging.warning("SFT data %r: sft.validation_fraction=%s holds out no conversation: "
+                        "no val_loss", name, fraction)
+    elif held and not eval_rows:
+        logging.info("SFT data %r: process %d holds none of the %d held-out conversations: its "
+                     "eval batches are padding", name, process_index, len(held))
     logging.info("SFT data %s: %d train / %d held-out conversations; process %d of %d packs "
                  "%d train rows; %.1f%% of targets are assistant tokens", name, len(train),
                  len(held), process_index, process_count, len(rows["inputs"]),
@@ -479,7 +486,8 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
                 "validation_fraction": fraction,
                 "process_index": process_index, "process_count": process_count, **task_identity}
     return SFTData(TaggedIterator(iter(ds), identity), tok, name, rows, eval_rows, bad,
-                   local_batch, process_count, _prompts(held or train))
+                   local_batch, process_count, held_out=bool(held),
+                   sample_conversations=_prompts(held or train))
 
 
 def _prompts(convs: list[Conversation], n: int = 8) -> list[Conversation]:

@@ -84,6 +84,8 @@ def evaluate(steps: Steps, params: Any, data: Any, num_batches: int) -> dict[str
         return {}
     if "pairs" in totals:  # preference pairs: held-out accuracy and reward margin
         return preference.summarise(totals)
+    if not totals["tokens"]:  # every batch padding (nothing held out packed into a row)
+        return {}
     loss = totals["nll"] / totals["tokens"]
     result = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
     if totals.get("bytes"):

@@ -21,7 +21,8 @@ import ml_dtypes
 import numpy as np
 
 MAX_HEADER_BYTES = 100_000_000
-# The dtypes `safetensors.safe_open(framework="numpy")` reads (it has no float8).
+# The real and integer dtypes `safetensors.safe_open(framework="numpy")` reads (it has no float8;
+# its complex C64 is left out: no model weight is complex).
 DTYPES: dict[str, np.dtype] = {name: np.dtype(t) for name, t in {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,

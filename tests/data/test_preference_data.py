@@ -173,3 +173,25 @@ def test_attached_reference_log_probs_follow_their_pairs(data_dir):
     np.testing.assert_array_equal(first["reference_logp"][:, 0], np.arange(4))
     with pytest.raises(ValueError, match="reference log-probs of shape"):
         data.attach_reference(np.zeros((n + 1, 2), np.float32), None)
+
+
+def test_a_process_that_holds_no_pair_out_runs_the_same_eval_batches(data_dir):
+    """Fewer held-out pairs than processes: every process runs the asked number of eval
+    batches (an eval step is collective), the same arrays (the reference log-probs of full
+    fine-tuning included), an empty share on padding only."""
+    path = data_dir / "pairs.jsonl"
+    _, held = split_pairs(list(read_pairs(str(path), "skip", BadLines())), 0.2)
+    count = len(held) + 1
+    data = [make_preference_data(section(path), tokenizer_path=str(data_dir), seq_len=48,
+                                 batch_size=count, seed=0, process_index=i, process_count=count)
+            for i in (0, count - 1)]
+    assert not data[0].eval_rows and data[1].eval_rows
+    for d in data:
+        m = len(d.eval_rows.get("inputs", []))
+        d.attach_reference(np.zeros((len(d.rows["inputs"]), 2), np.float32),
+                           np.ones((m, 2), np.float32) if m else None)
+    evals = [list(d.make_eval_iter(2)) for d in data]
+    shapes = [[{k: v.shape for k, v in b.items()} for b in e] for e in evals]
+    assert shapes[0] == shapes[1] and shapes[0][0]["reference_logp"] == (1, 2)
+    assert all(b["loss_mask"].sum() == 0 for b in evals[0]) and evals[1][0]["loss_mask"].sum()
+    assert evals[1][0]["reference_logp"].sum() == 2  # the share's own pair, not padding

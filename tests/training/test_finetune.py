@@ -185,6 +185,16 @@ def test_sft_holds_out_conversations_by_hash_and_shards_each_split_across_proces
     assert len(batches) == 5 and batches[-1]["segment_ids"].max() == 0
     with pytest.raises(ValueError, match="pass num_batches"):
         list(two[0].make_eval_iter())
+    # Fewer held-out conversations than processes: a process that holds none runs as many
+    # eval batches as the others (an eval step is collective), padding only.
+    count = len(held) + 1
+    few = [make_sft_data(sft, tokenizer_path=str(ckpt), seq_len=64, batch_size=count, seed=0,
+                         process_index=i, process_count=count) for i in (0, count - 1)]
+    assert not few[0].eval_rows and few[1].eval_rows
+    evals = [list(d.make_eval_iter(2)) for d in few]
+    assert [[{k: v.shape for k, v in b.items()} for b in e] for e in evals] == \
+        [[{k: v.shape for k, v in b.items()} for b in evals[1]]] * 2
+    assert all(b["loss_mask"].sum() == 0 for b in evals[0]) and evals[1][0]["loss_mask"].sum()
     with pytest.raises(ValueError, match="train.batch_size=3 is not divisible by the process"):
         make_sft_data(sft, tokenizer_path=str(ckpt), seq_len=64, batch_size=3, seed=0,
                       process_index=0, process_count=2)
