@@ -3,7 +3,7 @@
     python -m llm_jax.bench peak [--repeats 5] [--n 2048]
 
 float32, and bfloat16 inputs with float32 accumulation, via `llm_jax.runtime.peak`: XLA's dot
-and NumPy's BLAS for float32, each the best of `repeats` n x n x n matmuls; the peak is the
+and, on CPU, NumPy's BLAS for float32, each the best of `repeats` n x n x n matmuls; the peak is the
 larger. Each run (except --quick) adds its measurement to the machine's peak cache, whose entry
 keeps the largest: the figure the trainer and `bench train` divide by.
 """
