@@ -22,7 +22,9 @@ MoE routing replay need. Off, the compiled steps are the same as without it.
 
 Compiles: the decode step once per sampling mode (greedy / sampled / sampled with top-k or
 top-p filtering, the mode of the running set), the prefill per prompt bucket and mode of the
-prompts admitted together, for n = 1 and n = min(max_prefill, slots) rows. The requests
+prompts admitted together, for n = 1 and n = min(max_prefill, slots) rows. Weights laid
+out on a mesh (an RL run's trainer mesh) are decoded under it, with the pool laid out on it in
+and out of every program, so new weights of the same layout compile nothing. The requests
 themselves (settings, queue errors, a sequence's state): requests.py.
 """
 
@@ -33,11 +35,13 @@ import functools
 import logging
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from llm_jax.inference.loop import bucket, decode_step, prefill, slice_layers_once
 from llm_jax.inference.requests import (
@@ -49,7 +53,8 @@ from llm_jax.inference.requests import (
     Sequence,
 )
 from llm_jax.inference.sampling import greedy_tokens, sample_logits
-from llm_jax.model.kv_cache import LayerCache, init_cache
+from llm_jax.model.kv_cache import KVCache, LayerCache, init_cache, pool_shardings
+from llm_jax.parallel.sharding import traced_under
 from llm_jax.runtime.backend import InferenceJit
 
 log = logging.getLogger(__name__)
@@ -75,39 +80,57 @@ def _logprobs(logits_BV, tokens_B, temps_B) -> jax.Array:
     return jnp.take_along_axis(jax.nn.log_softmax(scaled), tokens_B[:, None], -1)[:, 0]
 
 
+def _laid_out(cache: KVCache, mesh: Mesh | None) -> KVCache:
+    """The pool in the layout the Engine keeps it in on `mesh` (`pool_shardings`): the same
+    going into and coming out of every program, so that each compiles once."""
+    return cache if mesh is None else jax.lax.with_sharding_constraint(
+        cache, pool_shardings(cache, mesh))
+
+
 def _prefill_into(graphdef, state, cache, tokens_nP, lengths_n, slots_n, seeds_n, temps_n,
                   top_k_n, top_p_n, *, mode: int, max_len: int, cache_dtype: str,
-                  record: bool = False):
+                  record: bool = False, mesh: Mesh | None = None):
     """(first tokens [n], the pool with rows slots_n replaced by the prompts' caches, and with
     `record` (log-probs [n], experts [n, P, L, k]) else None); a slot index past the pool
-    (padding rows) writes nothing."""
-    model = nnx.merge(graphdef, state)
-    n = tokens_nP.shape[0]
-    logits_nV, fresh, *experts = prefill(model, tokens_nP, lengths_n,
-                                         init_cache(model.cfg, n, max_len, cache_dtype),
-                                         with_experts=record)
-    cache = tuple(LayerCache(pool.k.at[slots_n].set(new.k, mode="drop"),
-                             pool.v.at[slots_n].set(new.v, mode="drop"))
-                  for pool, new in zip(cache, fresh))
-    steps_n = jnp.zeros((n,), jnp.int32)
-    tokens = _pick(logits_nV, seeds_n, steps_n, temps_n, top_k_n, top_p_n, mode)
-    return tokens, cache, ((_logprobs(logits_nV, tokens, temps_n), experts[0]) if record
-                           else None)
+    (padding rows) writes nothing. Traced under `mesh`, the weights' (as `generate_program`
+    is under its plan's)."""
+    with traced_under(mesh):
+        model = nnx.merge(graphdef, state)
+        n = tokens_nP.shape[0]
+        logits_nV, fresh, *experts = prefill(model, tokens_nP, lengths_n,
+                                             init_cache(model.cfg, n, max_len, cache_dtype),
+                                             with_experts=record)
+        cache = tuple(LayerCache(pool.k.at[slots_n].set(new.k, mode="drop"),
+                                 pool.v.at[slots_n].set(new.v, mode="drop"))
+                      for pool, new in zip(cache, fresh))
+        steps_n = jnp.zeros((n,), jnp.int32)
+        tokens = _pick(logits_nV, seeds_n, steps_n, temps_n, top_k_n, top_p_n, mode)
+        return tokens, _laid_out(cache, mesh), (
+            (_logprobs(logits_nV, tokens, temps_n), experts[0]) if record else None)
 
 
 def _decode(graphdef, treedef, weights, cache, tokens_B, positions_B, seeds_B, steps_B, temps_B,
-            top_k_B, top_p_B, *, mode: int, record: bool = False):
+            top_k_B, top_p_B, *, mode: int, record: bool = False, mesh: Mesh | None = None):
     """(next tokens [B], the pool with each row's fed token written at its position, and with
     `record` (log-probs [B], the fed tokens' experts [B, L, k]) else None).
     `weights`: the leaves of (state, sliced layers or None), flattened once by the Engine: a
     call then flattens a list instead of NNX states (0.7 -> 0.2 ms of dispatch per step)."""
-    state, layers = jax.tree.unflatten(treedef, weights)
-    model = nnx.merge(graphdef, state)
-    logits_BV, cache, *experts = decode_step(model, tokens_B, positions_B, cache, layers,
-                                             with_experts=record)
-    tokens = _pick(logits_BV, seeds_B, steps_B, temps_B, top_k_B, top_p_B, mode)
-    return tokens, cache, ((_logprobs(logits_BV, tokens, temps_B), experts[0]) if record
-                           else None)
+    with traced_under(mesh):
+        state, layers = jax.tree.unflatten(treedef, weights)
+        model = nnx.merge(graphdef, state)
+        logits_BV, cache, *experts = decode_step(model, tokens_B, positions_B, cache, layers,
+                                                 with_experts=record)
+        tokens = _pick(logits_BV, seeds_B, steps_B, temps_B, top_k_B, top_p_B, mode)
+        return tokens, _laid_out(cache, mesh), (
+            (_logprobs(logits_BV, tokens, temps_B), experts[0]) if record else None)
+
+
+def weights_mesh(state: Any) -> Mesh | None:
+    """The mesh `state`'s arrays are laid out on (an RL run's trainer mesh), else None."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(getattr(leaf, "sharding", None), NamedSharding):
+            return leaf.sharding.mesh
+    return None
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -119,9 +142,10 @@ def _layer_states(graphdef, state):
 
 
 prefill_jit = InferenceJit(_prefill_into, static_argnames=("graphdef", "mode", "max_len",
-                                                           "cache_dtype", "record"),
+                                                           "cache_dtype", "record", "mesh"),
                            donate_argnames=("cache",))
-decode_jit = InferenceJit(_decode, static_argnames=("graphdef", "treedef", "mode", "record"),
+decode_jit = InferenceJit(_decode, static_argnames=("graphdef", "treedef", "mode", "record",
+                                                    "mesh"),
                           donate_argnames=("cache",))
 
 
@@ -134,7 +158,11 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.graphdef, self.state = nnx.split(model)
         self.cache_dtype = str(jnp.dtype(cfg.cache_dtype or model.cfg.dtype))
-        self.cache = init_cache(model.cfg, cfg.slots, cfg.max_len, self.cache_dtype)
+        # Weights laid out on a mesh (an RL run's) are decoded under it, the pool laid out on
+        # it too: else the first program's output pool, on the mesh, would differ in type from
+        # the pool it was given and the next call would compile the program again.
+        self.mesh = weights_mesh(self.state)
+        self.cache = self._empty_pool()
         self.layers = (_layer_states(self.graphdef, self.state) if slice_layers_once(model)
                        else None)
         self.weights, self.treedef = jax.tree.flatten((self.state, self.layers))
@@ -231,7 +259,7 @@ class Engine:
                         np.ones(n, np.int32), np.full(n, self.cfg.slots, np.int32), z,
                         np.ones(n, np.float32), z, np.ones(n, np.float32), mode=mode,
                         max_len=self.cfg.max_len, cache_dtype=self.cache_dtype,
-                        record=self.cfg.record)
+                        record=self.cfg.record, mesh=self.mesh)
         with self.lock:
             if self.running:
                 raise RuntimeError("warmup() runs before any sequence does")
@@ -283,8 +311,12 @@ class Engine:
                 for seq in list(self.running.values()):
                     self._finish(seq, "error")
                 # the step may have consumed the donated pool: start from an empty one
-                self.cache = init_cache(self.model.cfg, self.cfg.slots, self.cfg.max_len,
-                                        self.cache_dtype)
+                self.cache = self._empty_pool()
+
+    def _empty_pool(self) -> KVCache:
+        cache = init_cache(self.model.cfg, self.cfg.slots, self.cfg.max_len, self.cache_dtype)
+        return cache if self.mesh is None else jax.device_put(
+            cache, pool_shardings(cache, self.mesh))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.finish_reason is not None:
@@ -369,7 +401,7 @@ class Engine:
         first, self.cache, recorded = prefill_jit(
             self.graphdef, self.state, self.cache, tokens, lengths, slot_n, seeds, temps, top_k,
             top_p, mode=mode, max_len=self.cfg.max_len, cache_dtype=self.cache_dtype,
-            record=self.cfg.record)
+            record=self.cfg.record, mesh=self.mesh)
         first = np.asarray(first)
         logprobs, experts = (None, None) if recorded is None else map(np.asarray, recorded)
         for i, seq in enumerate(batch):
@@ -386,7 +418,7 @@ class Engine:
         tokens, self.cache, recorded = decode_jit(
             self.graphdef, self.treedef, self.weights, self.cache, self.tokens_B, self.positions_B,
             self.seeds_B, self.steps_B, self.temps_B, self.top_k_B, self.top_p_B, mode=mode,
-            record=self.cfg.record)
+            record=self.cfg.record, mesh=self.mesh)
         return np.asarray(tokens), None if recorded is None else tuple(map(np.asarray, recorded))
 
     def _decode(self) -> None:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from llm_jax.config import ModelConfig
-from llm_jax.parallel.sharding import logical_to_spec
+from llm_jax.parallel.sharding import fitted_spec, logical_to_spec
 
 # Logical names of a layer cache's dimensions, mapped onto a mesh by llm_jax.parallel.sharding.RULES
 # (batch on the data axes, kv heads on `tensor`), the same table the weights use.
@@ -83,6 +83,14 @@ def _layer_shardings(mesh: Mesh, rules=None) -> LayerCache:
 def cache_shardings(mesh: Mesh, cfg: ModelConfig, rules=None) -> KVCache:
     """NamedShardings of every cache array on `mesh`, from CACHE_AXES and the sharding rules."""
     return (_layer_shardings(mesh, rules),) * cfg.num_hidden_layers
+
+
+def pool_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+    """NamedShardings of `cache`'s arrays (real or abstract) on `mesh`: CACHE_AXES through the
+    sharding rules, a dimension its mesh axes do not divide left unsplit (the inference
+    Engine's pool: any number of slots)."""
+    return tuple(LayerCache(*(NamedSharding(mesh, fitted_spec(a.shape, axes, mesh))
+                              for a, axes in zip(layer, CACHE_AXES))) for layer in cache)
 
 
 def shard_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:

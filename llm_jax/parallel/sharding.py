@@ -18,9 +18,10 @@ the grouped-matmul MoE (model/moe_parallel.py), and splash attention
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -280,17 +281,26 @@ def constrain(x: jax.Array, names: Sequence[str | None], rules=RULES) -> jax.Arr
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
+    spec = fitted_spec(x.shape, names, mesh, rules)
+    if all(e is None for e in spec):
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def fitted_spec(shape: Sequence[int], names: Sequence[str | None], mesh: Any,
+                rules=RULES) -> P:
+    """The spec of logical `names` for an array of `shape` on `mesh` (abstract or concrete):
+    a dimension its mesh axes do not divide is left unsplit, and manual axes (inside a
+    shard_map) are left out."""
     sizes = dict(mesh.shape)
     spec = logical_to_spec(names, rules, mesh_axes=mesh.axis_names)
     manual = set(getattr(mesh, "manual_axes", ()))
     entries = []
-    for n, entry in zip(x.shape, spec):
+    for n, entry in zip(shape, spec):
         axes = tuple(a for a in spec_axes(entry) if a not in manual)
         ok = axes and n % math.prod(sizes[a] for a in axes) == 0
         entries.append((axes[0] if len(axes) == 1 else axes) if ok else None)
-    if all(e is None for e in entries):
-        return x
-    return jax.lax.with_sharding_constraint(x, P(*entries))
+    return P(*entries)
 
 
 def with_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
@@ -301,8 +311,19 @@ def with_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with traced_under(mesh):
             return fn(*args, **kwargs)
 
     return wrapped
+
+
+@contextlib.contextmanager
+def traced_under(mesh: Mesh | None) -> Iterator[None]:
+    """`with_mesh`'s context: what is traced inside sees `mesh` as its abstract mesh (nothing
+    changes without one)."""
+    if mesh is None:
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield
 

@@ -40,7 +40,7 @@ from llm_jax.inference.engine import decode_jit
 from llm_jax.inference.loop import generate_jit, slice_layers_once
 from llm_jax.inference.sampler import program_inputs
 from llm_jax.model import abstract_model, costs
-from llm_jax.model.kv_cache import cache_shardings, init_cache
+from llm_jax.model.kv_cache import init_cache, pool_shardings
 from llm_jax.model.select import kernels_line
 from llm_jax.parallel import roofline
 from llm_jax.parallel.sharding import MESH_AXES, make_mesh, state_shardings
@@ -308,14 +308,13 @@ def _compile_engine_decode(run_cfg: ml_collections.ConfigDict, cfg: Any,
         weights, treedef = jax.tree.flatten((state, layers))
         cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
         cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             cache, cache_shardings(mesh, cfg))
+                             cache, pool_shardings(cache, mesh))
         i32, f32 = (jax.ShapeDtypeStruct((slots,), t, sharding=rep)
                     for t in (jnp.int32, jnp.float32))
-        # Traced under the mesh, as `generate_program` is: the MoE's and attention's Pallas
+        # Traced under the mesh, as the Engine's steps are: the MoE's and attention's Pallas
         # kernels run in a shard_map over it (without one a sharded program does not compile).
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            lowered = decode_jit.lower(graphdef, treedef, weights, cache, i32, i32, i32, i32,
-                                       f32, i32, f32, mode=1, record=True)
+        lowered = decode_jit.lower(graphdef, treedef, weights, cache, i32, i32, i32, i32, f32,
+                                   i32, f32, mode=1, record=True, mesh=mesh)
         compiled = lowered.compile()
     seconds = time.perf_counter() - t0
     weights_bytes = sum(math.prod(w.sharding.shard_shape(w.shape)) * w.dtype.itemsize
