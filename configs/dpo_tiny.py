@@ -29,7 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.dpo.tokenizer = "runs/dpo_data"
     cfg.dpo.loss = "dpo"
     cfg.dpo.beta = 0.1
-    cfg.dpo.validation_fraction = 0.2  # 18 of the 90 prompts: 36 held-out pairs
+    cfg.dpo.validation_fraction = 0.2  # 17 of the 90 prompts: 34 held-out pairs
     cfg.data.seq_len = 48
     cfg.train.num_steps = 100
     cfg.train.batch_size = 8  # pairs
@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     cfg.train.weight_decay = 0.0
     cfg.train.log_every_steps = 10
     cfg.train.eval_every_steps = 10
-    cfg.train.eval_batches = 5  # the 36 held-out pairs
+    cfg.train.eval_batches = 5  # the 34 held-out pairs
     cfg.train.num_samples = 0
     cfg.train.peak_flops = 1e11  # no matmul measured at start-up: MFU means nothing here
     cfg.checkpoint.every_steps = 50

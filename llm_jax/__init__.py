@@ -6,8 +6,9 @@ model is), `ExecutionConfig` (how it runs), `Transformer`, `init_model`, `load_p
 `python -m llm_jax.train|generate|serve|chat|eval|convert|export|describe|compile|bench`.
 
 Importing the package changes nothing in the process: no allocator tuning, no JAX flags or
-global configuration. The command lines (and `python -m llm_jax.run SCRIPT`) choose the host
-malloc themselves when they start (`llm_jax.runtime.malloc`).
+global configuration. The command lines that compute (train, generate, serve, chat, eval, bench;
+and `python -m llm_jax.run SCRIPT`) choose the host malloc themselves when they start
+(`llm_jax.runtime.malloc`).
 """
 
 from __future__ import annotations

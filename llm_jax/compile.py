@@ -5,20 +5,21 @@ slice or a simulated CPU mesh, with its per-chip memory (the compiling is llm_ja
         --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\
         [--config.execution.moe_dispatch=expert_parallel ...] [--json] [--hlo_out FILE]
     python -m llm_jax.compile --config configs/tiny.py --cpu_devices 8 --mesh data=2,fsdp=4
-    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5e-1 --program generate \
+    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5e-1 --program generate \\
         --config.model.expert_format=mxfp4 [--batch 1 --prompt_len 4096 --new_tokens 128]
-    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v6e-1 --program rl \
-        --config.lora.rank=16 --config.model.expert_format=mxfp4 --config.execution.remat=True \
+    python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v6e-1 --program rl \\
+        --config.lora.rank=16 --config.model.expert_format=mxfp4 --config.execution.remat=True \\
         --config.train.grad_accum_steps=8 [--batch 8 --seq_len 2048]
 
 `--program rl` compiles the two programs of an RL step on one mesh: the policy update
 (`rl_step.rl_objective`, routing replayed) over --batch completions of --seq_len positions, and
-the engine's decode step that samples them (--batch slots), with their sum on one chip.
+the engine's decode step that samples them (--batch slots); it reports what the two hold
+together on one chip (one copy of the weights).
 `--program generate` compiles `llm_jax.sample` (prefill + decode loop, weights sharded by the
-rules); a config with `--config.lora.rank=R` compiles the LoRA step (QLoRA over packed experts
-with `--config.model.expert_format=mxfp4`). Multi-slice (--num_slices, --dcn) and --hlo_out are
-the train step's, --prompt_len and --new_tokens generation's: given to another program, they
-are refused by name (`PROGRAM_FLAGS`).
+rules); with `--config.lora.rank=R` the train and rl programs compile the LoRA step (QLoRA
+over packed experts with `--config.model.expert_format=mxfp4`). Multi-slice (--num_slices,
+--dcn) and --hlo_out are the train step's, --prompt_len and --new_tokens generation's: given to
+another program, they are refused by name (`PROGRAM_FLAGS`).
 
 With --topology the devices are libtpu's compile-only description of that TPU slice (pip install
 "llm_jax[tpu]"; no TPU needed); with --cpu_devices N, N simulated CPU devices.

@@ -6,9 +6,10 @@
         [--json] [--shardings]
 
 The report (`report`, printed by `format_report`, or as JSON): every field of the run config
-with what it controls, then parameters, FLOPs per token, the KV cache, memory per device for
-training and for full vs LoRA fine-tuning, and the kernels each backend runs. The arithmetic is
-model/costs.py and model/lora_costs.py; this module only assembles and prints it.
+(with what it controls, where documented), then parameters, FLOPs per token, the KV cache,
+memory per device for training, inference and full vs LoRA fine-tuning, and the kernels each
+backend runs. The arithmetic is model/costs.py and model/lora_costs.py; this module only
+assembles and prints it.
 
 Notation: L layers, D hidden, V vocab, N q heads, K kv heads, H head_dim, E experts, k experts
 per token, F intermediate, W sliding window, T sequence length, B batch (sequences).

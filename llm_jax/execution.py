@@ -103,5 +103,6 @@ class ExecutionConfig(FrozenConfig):
 
     @property
     def scan_unroll(self) -> int | bool:
-        """`unroll` for every `lax.scan` over the layers (training, prefill, decode)."""
+        """`unroll` for the `lax.scan` over the layers of a forward without a KV cache
+        (training, scoring); with a cache (prefill, decode) the layers are a Python loop."""
         return 1 if self.scan_layers else True

@@ -1,6 +1,6 @@
 """Layers that point one way: command lines -> training / serving / evaluation -> inference /
-weights -> model / data -> kernels -> parallel -> runtime / execution -> config. Read from the source (ast),
-so a new import cycle, an import up the layers or a private name taken from another module
+weights -> model / data -> kernels -> parallel -> execution -> runtime / config. Read from the
+source (ast), so a new import cycle, an import up the layers or a private name taken from another module
 fails here, by name."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 configs/tiny.py's model (blocked MoE) and one random batch; three contenders alternate:
 `full` (every weight trained), `lora` (rank r on q/k/v/o and per expert on gate_up/down) and
 `lora_attn` (attention only). The LoRA step forms `w + (alpha/r) A B` and its gradient for each
-adapted weight, so adapting the experts costs more than it saves on the optimizer update.
+adapted weight, so adapting the experts saves optimizer work but not matmul work.
 """
 
 from __future__ import annotations

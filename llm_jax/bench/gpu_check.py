@@ -5,7 +5,7 @@
     bash launch/gpu_check.sh            # auto, then the Pallas kernels; 10 minutes in all
 
 Model (`check_config`): 16 layers, hidden 2048, 32 q / 8 kv heads of 64, 16 experts top-4 of
-width 2048, vocab 32,768, sliding window 128 on even layers: about 1.1B active and 3.5B total
+width 2048, vocab 32,768, sliding window 128 on even layers: about 1.04B active and 3.5B total
 parameters, bf16 weights and activations (about 28 GB of state with Adam: one 80 GB GPU).
 MFU = tokens/s x costs.flops_per_token / the chip's dense bf16 peak (PEAK_BF16 by device
 kind, else the measured matmul peak). "kernels" names what the selection table chose and the

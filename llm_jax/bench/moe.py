@@ -1,6 +1,7 @@
 """One MoE layer's forward + backward per dispatch path as the number of experts grows.
 
-    python -m llm_jax.bench moe [--repeats 5] [--experts 8,16,32,64] [--paths dense,ragged,capacity]
+    python -m llm_jax.bench moe [--repeats 5] [--experts 8,16,32,64]
+        [--paths dense,ragged,blocked,capacity]
 
 T = 8 x 256 tokens, D 256, F 256, k = 2 experts per token, float32. The active compute (k experts
 per token) is the same at every E, so a sparse dispatch (ragged, capacity) should stay flat

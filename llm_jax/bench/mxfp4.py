@@ -181,9 +181,10 @@ def measure(*, phases: dict[str, Any], directory: str, prompt_len: int, new_toke
     holder: dict[str, Any] = {}
 
     def load() -> dict[str, Any]:
-        # remat: the QLoRA step recomputes each layer in its backward pass (at seq 256 a 24-layer
-        # step then peaks at 18.4 GiB, 20.3 without); the inference phases, which run with a
-        # KV cache, are the same programs either way.
+        # remat: the QLoRA step recomputes each layer in its backward pass (a 24-layer step at
+        # seq 256, loaded and run alone, peaked at 18.44 GiB with it, 20.26 without; this
+        # bench's QLoRA phase: 19.86 GiB, docs/benchmarks.md); the inference phases, which
+        # run with a KV cache, are the same programs either way.
         holder["model"] = load_pretrained(directory, execution=ExecutionConfig(remat=True))
         jax.block_until_ready(nnx.state(holder["model"]))
         cfg = holder["model"].cfg

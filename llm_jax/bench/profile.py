@@ -4,9 +4,9 @@
     top = op_times(lambda: step(state, batch), calls=3)   # [(op name, seconds per call, share)]
 
 The trace's Chrome-format JSON (`*.trace.json.gz`) holds one complete event ("ph": "X") per
-executed HLO op on the XLA:CPU threads; durations are summed by op name with the trailing
-`.N` instance number dropped, so `fusion.12` and `fusion.40` stay apart but `dot.3` in each
-layer of a scan adds up.
+executed HLO op on the XLA:CPU threads; `op_times` sums durations by op name, so `fusion.12`
+and `fusion.40` stay apart but `dot.3` in each layer of a scan adds up; `grouped` then drops
+the trailing `.N` instance number to sum by op kind.
 """
 
 from __future__ import annotations

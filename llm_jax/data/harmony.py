@@ -192,7 +192,8 @@ def render_conversation(messages: Sequence[dict[str, Any]], *,
     function declarations. An assistant's reasoning is kept only after the last user message
     (the turn in progress, where tool calls need it) and dropped before, as the format asks.
     With `add_generation_prompt` the text ends with `<|start|>assistant` for the model to
-    continue; without, the last assistant message ends with `<|return|>` (a training target)."""
+    continue; without, an assistant answer that is the last message ends with `<|return|>` (a
+    training target)."""
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort: expected one of {REASONING_EFFORTS}, got "
                          f"{reasoning_effort!r}")

@@ -4,7 +4,7 @@ Shapes: B per-process batch, T seq_len. Batches hold "inputs", "targets", "posit
 "segment_ids" int32 [B, T] (packing.py); eval batches add "target_bytes" int32 [B, T], so
 bits per byte = sum(nll) / (ln 2 * sum(target_bytes)) over targets with segment_ids > 0.
 
-Train, per process (sources.py gives each process its own share of the shards):
+Train, per process (sources.py gives each process its own share of the documents):
 
     share of documents (random access) -> shuffle (reseeded every epoch) -> repeat
       -> tokenize [in `worker_count` Grain worker processes] -> pack into rows of T
@@ -21,7 +21,7 @@ the trainer does not wait for a whole window at once.
 Nothing is tokenized ahead or kept, so memory does not grow with the corpus (measured: 231 MB
 RSS streaming 20 MB of text, 244 MB for 2 GB; docs/benchmarks.md). The order is a function of
 (shuffle_seed, process index and count); tokenizing in workers gives the same batches as in the
-main process, because packing (the only stateful step) runs after them.
+main process, because the stateful steps (packing, the row shuffle) run after them.
 Evaluation: the process's share of the eval split in stored order, packed the same way; exactly
 `num_batches` batches per process, padded with empty rows (segment 0) if the share runs out,
 so that every process takes part in every eval step.

@@ -15,9 +15,9 @@ or `<|end|>`). A pair of which either side is longer than seq_len + 1 tokens is 
 counted, never cut: a cut response may lose the very part that makes it the better one.
 
 Held out: a pair is validation when the hash of its prompt's canonical JSON (with the
-renderer's options) falls below `dpo.validation_fraction` (at least one prompt when > 0, never
-all), so the pairs of one prompt are never split between train and validation; sharded across
-processes as SFT data is (each process renders its contiguous 1/P of each split).
+renderer's options) falls below `dpo.validation_fraction` (of two or more prompts: at least one
+when > 0, never all), so the pairs of one prompt are never split between train and validation;
+sharded across processes as SFT data is (each process renders its contiguous 1/P of each split).
 
 Batch (B pairs, T = seq_len): inputs, targets, positions, segment_ids int32 [B, 2, T] (index 0
 the chosen response, 1 the rejected; segment 1 over the sequence, 0 = padding); loss_mask
@@ -47,6 +47,7 @@ from llm_jax.data.sft import (
     process_share,
     read_lines,
     refuse_or_count,
+    sample_prompts,
     to_conversation,
     tokenize_conversation,
 )
@@ -189,6 +190,11 @@ class PreferenceData:
     # Whether any process holds out a pair: then every process runs the eval batches, those
     # whose share is empty on padding only (an eval step is collective).
     held_out: bool = False
+    # A few prompts (held out when there are such): what the run samples replies to at its end.
+    sample_conversations: list[Conversation] = dataclasses.field(default_factory=list)
+
+    def sample_prompts(self, n: int) -> list[tuple[str, list[int]]]:
+        return sample_prompts(self.tokenizer, self.sample_conversations, n)
 
     def check_checkpoint(self, step_dir: str) -> None:
         """Raises ValueError if the data state saved in `step_dir` was not made by these pairs
@@ -318,4 +324,6 @@ def make_preference_data(dpo: Any, *, tokenizer_path: str, seq_len: int, batch_s
                 "validation_fraction": fraction, "process_index": process_index,
                 "process_count": process_count}
     return PreferenceData(PairIterator(iter(ds), identity), tok, dpo.files, rows, eval_rows,
-                          bad, too_long, local_batch, process_count, held_out=bool(held))
+                          bad, too_long, local_batch, process_count, held_out=bool(held),
+                          sample_conversations=[Conversation(p.prompt, p.options)
+                                                for p in (held or train)[:8]])

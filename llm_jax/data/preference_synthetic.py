@@ -3,8 +3,8 @@
     python -m llm_jax.data.preference_synthetic --out runs/dpo_data
 
 The user asks, in one of several phrasings, what kind of thing a word is (cat, apple, red, ...);
-the chosen reply names its category ("a cat is an animal."), the rejected one a wrong category
-("a cat is a colour."). Held out by prompt (data/preference.py), validation asks about words
+the chosen reply names its category ("cat is an animal."), the rejected one a wrong category
+("cat is a colour."). Held out by prompt (data/preference.py), validation asks about words
 in phrasings the training pairs never combine them with, so a policy that learned the facts
 ranks them, one that learned the phrasings does not. Writes `pairs.jsonl` and a checkpoint-style
 tokenizer directory beside it: `tokenizer.json` (byte-level BPE trained on the pairs),

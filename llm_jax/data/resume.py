@@ -8,8 +8,9 @@ naming the fields. The rule for the process count in particular: a run resumes w
 count it was saved with (each process saves its own state file, process_<i>-of-<P>.json, for
 its own share of the data), or not at all.
 
-`check_saved_state` runs before Orbax restores: the trainer treats a checkpoint that fails to
-restore as corrupt and moves it aside, which is wrong for a config change.
+`check_saved_state` runs before Orbax restores: the trainer treats a step without a checksum
+manifest that fails to restore with a ValueError as corrupt and moves it aside, which is wrong
+for a config change.
 """
 
 from __future__ import annotations

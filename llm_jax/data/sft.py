@@ -23,10 +23,11 @@ closes with `<|end|>` in the history where the model wrote `<|return|>`, so that
 not learned.
 
 Held out: a conversation is validation when the hash of its canonical JSON falls below
-`sft.validation_fraction` (at least one when the fraction is > 0, never all): the same split on
-every machine and in any file order, whatever the process count. Sharded like pretraining data:
-every process reads the conversations (lines are cheap), then renders, tokenizes and packs only
-its contiguous 1/P share of each split, and serves batches of train.batch_size / P rows.
+`sft.validation_fraction` (of two or more: at least one when the fraction is > 0, never all):
+the same split on every machine and in any file order, whatever the process count. Sharded like
+pretraining data: every process reads the conversations (lines are cheap), then renders,
+tokenizes and packs only its contiguous 1/P share of each split, and serves batches of
+train.batch_size / P rows.
 
 Batch (T = seq_len): inputs, targets int32 [B, T]; positions int32 [B, T] (from 0 in each
 example); segment_ids int32 [B, T] (1, 2, ... per example in a row; 0 = padding); loss_mask
@@ -350,6 +351,18 @@ def _tokenized(tok: HFTokenizer, conv: Conversation, channels: frozenset[str]
         raise ValueError(f"SFT conversation {conv.key()[:300]}: {e}") from e
 
 
+def sample_prompts(tok: HFTokenizer, convs: list[Conversation], n: int
+                   ) -> list[tuple[str, list[int]]]:
+    """(the last user message, the rendered prompt's ids) of up to `n` of `convs`, each ending
+    in the generation prompt: what a fine-tuning run samples replies to at its end."""
+    out = []
+    for conv in convs[:n]:
+        text = tok.render(conv.messages, add_generation_prompt=True, **conv.options)
+        users = [m for m in conv.messages if m.get("role") == "user"]
+        out.append((str(users[-1].get("content", "")) if users else "", tok.encode(text)))
+    return out
+
+
 def _empty_rows(batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
     """A batch of padding only (segment 0, loss mask 0): it adds nothing to any eval sum."""
     return {k: np.zeros((batch_size, seq_len), np.float32 if k == "loss_mask" else np.int32)
@@ -376,15 +389,7 @@ class SFTData:
     sample_conversations: list[Conversation] = dataclasses.field(default_factory=list)
 
     def sample_prompts(self, n: int) -> list[tuple[str, list[int]]]:
-        """(the last user message, the rendered prompt's ids) of up to `n` sample
-        conversations, each ending in the generation prompt."""
-        out = []
-        for conv in self.sample_conversations[:n]:
-            text = self.tokenizer.render(conv.messages, add_generation_prompt=True, **conv.options)
-            users = [m for m in conv.messages if m.get("role") == "user"]
-            out.append((str(users[-1].get("content", "")) if users else "",
-                        self.tokenizer.encode(text)))
-        return out
+        return sample_prompts(self.tokenizer, self.sample_conversations, n)
 
     def check_checkpoint(self, step_dir: str) -> None:
         """Raises ValueError if the data state saved in `step_dir` was not made by these rows
@@ -491,7 +496,7 @@ def make_sft_data(sft: Any, *, tokenizer_path: str, seq_len: int, batch_size: in
 
 
 def _prompts(convs: list[Conversation], n: int = 8) -> list[Conversation]:
-    """The first `n` conversations that have an assistant turn, cut before their last one."""
+    """The first `n` conversations with a message before their last assistant turn, cut there."""
     out = []
     for conv in convs:
         last = max((i for i, m in enumerate(conv.messages) if m.get("role") == "assistant"),

@@ -61,7 +61,7 @@ _DRAWS_PER_EXAMPLE = 1000
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
     """The run config's `task` section: which task, and its options (unused ones are ignored by
-    the other tasks)."""
+    the other tasks, except `files`: refused unless the task is jsonl)."""
 
     name: str = ""  # "" = no task | arithmetic | sort | jsonl
     seed: int = 0  # the examples drawn (generators) / the train order of each epoch (jsonl)

@@ -157,8 +157,9 @@ class Tokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
-        """Encodes many texts at once (sentencepiece threads; 0 = all cores)."""
-        ids = self._sp.encode(texts, num_threads=num_threads)
+        """Encodes many texts at once (sentencepiece threads; 0 = all cores, which sentencepiece
+        spells -1: its 0 is one thread)."""
+        ids = self._sp.encode(texts, num_threads=num_threads if num_threads > 0 else -1)
         for i, text in enumerate(texts):
             if _SPACE in text:  # rare: see the module docstring
                 parts = self._sp.encode(text.split(_SPACE))

@@ -247,7 +247,7 @@ class Engine:
                modes: tuple[int, ...] = SAMPLING_MODES) -> None:
         """Compiles the decode step and the prefill of 1 and max_prefill prompts for each
         bucket (default: all) in each sampling mode (default: all three, so that no request
-        waits for a compile: a request's default temperature 1 is the sampled mode), writing
+        waits for a compile: an API request's default temperature 1 is the sampled mode), writing
         nothing: every row aims past the pool."""
         rows = sorted({1, self.prefill_rows})
         for mode in modes:

@@ -3,9 +3,9 @@
 Prompt length and max_new_tokens are rounded up to buckets, and the sampling numbers
 (temperature, top_k, top_p, seed, eos_id, max_new_tokens itself) are traced, so a new prompt or
 setting in the same bucket reuses the compiled program; what is static is the batch size, the
-buckets, the cache dtype, whether top_k/top_p filtering runs at all, `return_logits`, the mesh
-and the `stream` callback (a streaming call compiles its own program). Each sequence draws from
-its own key, so its tokens do not depend on what else is in the batch.
+buckets, the cache length and dtype, whether top_k/top_p filtering runs at all, `return_logits`,
+the mesh and the `stream` callback (a streaming call compiles its own program). Each sequence
+draws from its own key, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ def _rows(requests, max_length: int) -> list[_Row]:
 
 
 def _batches_padded(rows: list[_Row], batch_size: int):
-    """One request per row, rows sorted longest first: (rows, where each one starts)."""
+    """One request per row, rows sorted longest first: batches of up to `batch_size`
+    rows, each row a list of one request."""
     rows = sorted(rows, key=lambda r: -len(r.inputs))
     for i in range(0, len(rows), batch_size):
         group = rows[i:i + batch_size]

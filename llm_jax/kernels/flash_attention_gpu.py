@@ -3,7 +3,7 @@
 Shapes: B batch, T query time, S key time, N q heads, K kv heads, G = N / K, H head_dim,
 Q / C rows of a query / key block.
 
-The function of `attention.attend` with the mask of `attention_mask` (positions, window,
+The function of `attention_math.attend` with the mask of `attention_mask` (positions, window,
 segments, segment 0 = padding), computed block by block: no JAX attention library on GPU takes
 trainable sinks (jax.nn.dot_product_attention has none, and its cuDNN VJP drops the logsumexp
 cotangent they would need), so gpt-oss training would otherwise fall back to T x S scores.

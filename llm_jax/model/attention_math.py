@@ -8,7 +8,7 @@ The sink is one learned logit per query head appended as an extra column of ever
 scaled by 1/sqrt(H)); the softmax runs over the row including it and the column is dropped, so
 rows sum to less than 1 and a head can attend to "nothing" (gpt-oss, after Xiao et al. 2023).
 The layer (`model/attention.py`) and every other implementation (`model/blockwise_attention.py`,
-the kernels of `kernels/`) compute this function and are tested against it.
+the attention kernels of `kernels/`) compute this function and are tested against it.
 """
 
 from __future__ import annotations

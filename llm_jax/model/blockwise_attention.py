@@ -10,7 +10,7 @@ positions and segment ids and marks the pairs (i, j) that may hold a visible (qu
 a pair is skipped only when the bounds prove that none is. Each query block's visible key blocks
 are listed in order, and an outer scan over query blocks runs an inner loop over only that
 list, so a causal layer does about half the pairs and a sliding-window layer about
-ceil(W / C) + 1 key blocks per query block whatever T is. Inside a pair the exact mask
+(W + Q) / C key blocks per query block whatever T is. Inside a pair the exact mask
 (`attention_mask`) is applied, so the result does not depend on how tight the bounds are.
 
 Forward: per query row a running max m, normaliser l and weighted sum acc (online softmax:
@@ -30,10 +30,10 @@ import jax.numpy as jnp
 
 from llm_jax.model.attention_math import attention_mask
 
-# Below this many keys (one or two blocks) the direct path (one T x S einsum) is as fast; from
-# here on the blockwise one is faster, causal or not (`python -m llm_jax.bench attention`).
+# Below this many keys (at most four key blocks) the direct path (one T x S einsum) is as fast;
+# from here on the blockwise one is faster, causal or not (`python -m llm_jax.bench attention`).
 BLOCKWISE_MIN_KEYS = 256
-# ... and above this many bytes of float32 scores (B N T S x 4) the direct path is refused.
+# ... and above this many bytes of float32 scores (B N T S x 4) the shape rule picks blockwise.
 BLOCKWISE_SCORE_BYTES = 256 * 2**20
 # Block sizes: large enough that each block matmul runs near the machine's matmul rate, small
 # enough that a window's edges and the causal diagonal waste few masked scores and that one

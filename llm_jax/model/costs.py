@@ -1,8 +1,9 @@
 """What a config costs: its parameters, FLOPs, KV cache and memory per device, as arithmetic on
 the config, and for a training step's memory from the abstract model and a trace of its loss
 (nothing is allocated). The report of `python -m llm_jax.describe` (llm_jax/describe.py) prints
-these numbers, the trainer's MFU uses `flops_per_token` and the generation code's cache
-`kv_cache_lengths` and `kv_cache_bytes`: one set of formulas.
+these numbers, the trainer's MFU uses `flops_per_token`, and `kv_cache_lengths` and
+`kv_cache_bytes` count the slots the generation code's cache allocates (`kv_cache.layer_slots`,
+which `kv_cache.init_cache` reads too): one set of formulas.
 
 Notation: L layers, D hidden, V vocab, N q heads, K kv heads, H head_dim, E experts, k experts
 per token, F intermediate, W sliding window, T sequence length, B batch (sequences).

@@ -1,8 +1,8 @@
 """What every MoE dispatch shares: the router's outputs, the experts' weights, the clamped SwiGLU
 between their two matmuls, and the one sort of assignments by expert and the weighted combine
-back to tokens. Below the dispatches in model/ (it imports only `matmul.py` and `mxfp4.py`):
-the dispatches (`moe_dispatch.py`, `moe_parallel.py`) import it, and the kernels (`kernels/`)
-see only the arrays.
+back to tokens. Below the dispatches in model/ (of model/ it imports only `matmul.py` and
+`mxfp4.py`): the dispatches (`moe_dispatch.py`, `moe_parallel.py`) import it, and the kernels
+(`kernels/`) see only the arrays.
 
 Shapes: T tokens, D hidden, E experts, k experts per token, F intermediate, A = T k assignments
 in (token, choice) order: assignment a is token a // k's choice a % k.
@@ -202,7 +202,8 @@ def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array, repeats: int =
     row twice, and `inverse` is its inverse: inverse[r] = the position in `index` of repeated
     row r, or past the end where none takes it.
 
-    Every move of rows in the MoE dispatches is one of these: sorting assignments by expert
+    Every move of rows in the ragged, gmm and expert_parallel* dispatches is one of
+    these (blocked, capacity and gather index rows directly): sorting assignments by expert
     (x = tokens, repeats = k), packing them into the send buffer (empty slots past the end),
     the combine's way back (dropped assignments past the end). The gradient is the gather
     g[inverse] summed over each row's repeats: neither direction scatters rows. XLA:TPU lowers

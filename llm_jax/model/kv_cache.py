@@ -27,7 +27,8 @@ from llm_jax.config import ModelConfig
 from llm_jax.parallel.sharding import fitted_spec, logical_to_spec
 
 # Logical names of a layer cache's dimensions, mapped onto a mesh by llm_jax.parallel.sharding.RULES
-# (batch on the data axes, kv heads on `tensor`), the same table the weights use.
+# (batch on the batch axes data, fsdp, expert; kv heads on `tensor`), the same table the
+# weights use.
 KEY_CACHE_AXES = ("batch", "kv_heads", "head_dim", "length")
 VALUE_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 

@@ -32,7 +32,8 @@ from flax import nnx
 
 from llm_jax.model.mxfp4 import MXFP4_BLOCK, ExpertStack, PackedExperts
 
-# target -> (batch dims, input dims) of the weight without its layers axis; the rest is output.
+# target -> (layer part, batch dims, input dims) of the weight without its layers axis; the
+# rest is output.
 TARGETS: dict[str, tuple[str, int, int]] = {
     "q_proj": ("attn", 0, 1), "k_proj": ("attn", 0, 1), "v_proj": ("attn", 0, 1),
     "o_proj": ("attn", 0, 2), "gate_up_proj": ("mlp", 1, 1), "down_proj": ("mlp", 1, 1),

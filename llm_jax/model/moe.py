@@ -107,7 +107,7 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD: jax.Array, *, train: bool = False,
                  execution: ExecutionConfig = ExecutionConfig(),
                  experts_BTk: jax.Array | None = None) -> tuple[jax.Array, MoEAux]:
-        """`train=True` lets a dropping dispatch (capacity, expert_parallel) run; otherwise
+        """`train=True` lets a dropping dispatch (capacity, expert_parallel*) run; otherwise
         the layer is exact whatever `execution.moe_dispatch` says. `experts_BTk` replays a
         routing (int expert ids in [0, E), distinct per token)."""
         cfg = self.cfg

@@ -25,9 +25,9 @@ entry, as FSDP does. On every device:
 Formulation: capacity per device pair, C = min(A, ceil(moe_capacity_factor * A / n)). With
 factor >= n, C = A (a source's every assignment fits in one destination), so nothing can be
 dropped and the layer is exactly the single-device MoE; with a smaller factor it moves and
-computes factor x fewer rows, overflow is dropped and counted in `drop_fraction` (like the
-capacity dispatch). Without a mesh (or on one device) the same code runs with n = 1: dropless
-for a factor >= 1, dropping for a factor below 1 (which the config allows).
+computes n C ~ factor x A rows (not n A), overflow is dropped and counted in `drop_fraction`
+(like the capacity dispatch). Without a mesh (or on one device) the same code runs with n = 1:
+dropless for a factor >= 1, dropping for a factor below 1 (which the config allows).
 
 gmm (`moe_gmm`): the function of `moe_dispatch.moe_ragged`, its two grouped matmuls by a Pallas
 kernel. Under a mesh it runs in `jax.shard_map`: tokens split over the batch axes, expert weights
@@ -128,13 +128,13 @@ def exchange_width(hidden: int, kernel: str | None, expert_devices: int, w: Expe
 
     Why: XLA:TPU lays an all_to_all's operand out without partial lane tiles. For gpt-oss's
     D = 2,880 (22.5 tiles) that puts the rows minor, so every exchange of an [R, D] buffer was a
-    transposing copy of it before and after (in gpt-oss-120b's dropless step, 72 GB of its
-    1.1 TB of bytes; docs/scaling.md). With zero columns appended to the tokens, zero input rows
-    to the gate-up stack and zero output columns to the down stack and its bias, the rows are
-    128-lane wide from the send buffer to the combine, at the cost of padding each device's
-    expert weights once a pass. The products gain only 0 x 0 terms and the extra columns are
-    sliced off: the same function. Packed (MXFP4) stacks are left as they are (padding them
-    would unpack them).
+    transposing copy of it before and after (gpt-oss-20b's 2-layer step at capacity 1.25: 88.9 GB
+    of copies, 16.8 with the padding; docs/scaling.md). With zero columns appended to the
+    tokens, zero input rows to the gate-up stack and zero output columns to the down stack and
+    its bias, the rows are 128-lane wide from the send buffer to the combine, at the cost of
+    padding each device's expert weights once a pass. The products gain only 0 x 0 terms and
+    the extra columns are sliced off: the same function. Packed (MXFP4) stacks are left as they
+    are (padding them would unpack them).
 
     The trade, per layer and pass: the two exchanges' copies cost about 16 R D bytes (two
     buffers, each copied twice, read and written, in bfloat16); padding the El local experts'

@@ -69,13 +69,15 @@ def _values(codes: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
     """E2M1 codes (uint8, 0..15) times 2^(scale - 127) in `dtype` (float32 or bfloat16), exactly:
     an E2M1 magnitude is 2^e times 1 or 1.5 (e in -1..2) and both dtypes have the 8-bit, bias-127
     exponent. No table lookup (a gather that XLA materialises as int32 indices). As numpy's
-    ldexp, results past the range give inf (scale byte 255: 0.5 * 2^128 is still finite); scale
-    bytes 0 and 1 give 0 (float32 subnormals, which XLA flushes to zero in any computation).
+    ldexp, results past the range give inf (scale byte 255: 0.5 * 2^128 is still finite); values
+    below 2^-126 (float32 subnormals, which XLA flushes to zero in any computation) give 0, and
+    the float32 construction gives 0 for every code under scale bytes 0 and 1 (its factor
+    2^(scale - 128) would be subnormal).
 
-    Two constructions of the same bits, each the faster one for its dtype on XLA:CPU (2 layers
-    of gpt-oss-20b in bfloat16 prefill 512 tokens in 11.9 s through the bfloat16 one, 14.1 s
-    through the float32 one; the tiny float32 model decodes ~10 % faster through the float32
-    one than through writing the exponent field):
+    Two constructions of the same bits (but under scale bytes 0 and 1), each the faster one for
+    its dtype on XLA:CPU (2 layers of gpt-oss-20b in bfloat16 prefill 512 tokens in 11.9 s
+    through the bfloat16 one, 14.1 s through the float32 one; the tiny float32 model decodes
+    ~10 % faster through the float32 one than through writing the exponent field):
     - float32: twice the magnitude (0, 1, 2, 3, 4, 6, 8, 12) is the float whose bits are the
       code's three magnitude bits moved to bits 22-24 plus 1.0's exponent (codes 2..7), or 0 and
       1.0 (codes 0 and 1); one float multiply by half the scale, 2^(scale - 128) built from the

@@ -18,8 +18,8 @@ XLA:CPU lowers `ragged_dot` densely.
 
 TPU's MoE is `gmm` because the compiler makes it better than XLA's own `ragged_dot` lowering
 (docs/scaling.md, "Why each default"): on the tiny config for v5p-8, 7.6 % fewer bytes
-accessed and less temporary memory; gpt-oss-20b on v5p-32 with `ragged` does not compile in
-24 GiB of host memory, with `gmm` it compiles in 11.8 GiB.
+accessed and a 1.0 min compile against 1.7; gpt-oss-20b on v5p-32 with `ragged` does not
+compile in 24 GiB of host memory, with `gmm` it compiles in 11.8 GiB.
 
 On GPU, `flash` (kernels/flash_attention_gpu.py) and `gmm` (kernels/gmm_gpu.py through
 model/moe_parallel.py), Pallas with the Triton lowering, are opt-in (`attention_impl="flash"`,

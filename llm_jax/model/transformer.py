@@ -209,9 +209,9 @@ def _layer_slice(layer_state: nnx.State, i: int, after: jax.Array | None) -> nnx
     slices are loop-invariant, and while-loop invariant code motion hoists them out of the loop
     as copies: every layer's weights a second time, live for the whole loop (docs/scaling.md).
     libtpu can drop the barrier in a sharded program before that pass runs (it did for
-    gpt-oss-120b on v5e-8), so the inference programs of XLA:TPU and XLA:CPU compile without it
-    (`runtime.backend.PLANS`' inference options); the barrier stays for XLA:GPU, which keeps the pass
-    (its programs were not measured)."""
+    gpt-oss-120b on v5e-8), so the inference programs of XLA:TPU and XLA:CPU compile without that
+    pass (`runtime.backend.PLANS`' inference options); the barrier stays for XLA:GPU, which
+    keeps the pass (its programs were not measured), and for XLA:TPU."""
     if after is not None:
         i, _ = jax.lax.optimization_barrier((jnp.asarray(i, jnp.int32), after))
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),

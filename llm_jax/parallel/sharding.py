@@ -13,7 +13,8 @@ contracting dimension is sharded state its output sharding (`out_sharding=`), sp
 knowledge through every layer. Where communication must be exact or a kernel is opaque to
 XLA's partitioner, the layer runs in `jax.shard_map` instead: the expert-parallel exchange and
 the grouped-matmul MoE (model/moe_parallel.py), and splash attention
-(kernels/splash_attention.py).
+(kernels/splash_attention.py); the opt-in GPU flash kernel (kernels/flash_attention_gpu.py) has
+no shard_map of its own.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ class PlatformPlan:
     # Decoding slices the stacked layer weights once before the loop (inference/loop.py): XLA:CPU
     # otherwise copies each layer's slice inside the loop, every step.
     slice_layers_before_decoding: bool
-    # Compiler options of the inference programs (INFERENCE_OPTIONS).
+    # Compiler options of the inference programs (CPU_INFERENCE_OPTIONS on CPU,
+    # NO_LOOP_INVARIANT_CODE_MOTION on TPU, none on GPU).
     inference_options: dict[str, str] | None
 
 

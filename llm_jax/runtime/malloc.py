@@ -4,11 +4,11 @@ XLA:CPU allocates each step's temporaries afresh and frees them at its end. glib
 blocks this large straight back to the kernel (mmap/munmap), so every step faults in and zeroes
 its working set again, a quarter of a CPU step for configs/tiny.py (docs/benchmarks.md).
 tcmalloc and mimalloc keep freed pages. A malloc can only be replaced before the process
-starts, so the command-line tools re-execute themselves with it in LD_PRELOAD
-(`use_preferred_malloc`), and `python -m llm_jax.run SCRIPT` (or `llm_jax-run`) does the same
-for any program; where neither library is installed they tune glibc in-process instead
-(`tune_glibc`). A process that merely imports llm_jax keeps its malloc as it is: a library does
-not change its host's allocator.
+starts, so the command-line tools that compute (train, generate, serve, chat, eval, bench)
+re-execute themselves with it in LD_PRELOAD (`use_preferred_malloc`), and
+`python -m llm_jax.run SCRIPT` (or `llm_jax-run`) does the same for any program; where neither
+library is installed they tune glibc in-process instead (`tune_glibc`). A process that merely
+imports llm_jax keeps its malloc as it is: a library does not change its host's allocator.
 
 `LLM_JAX_MALLOC` chooses: `auto` (the default: tcmalloc if the system has it, else mimalloc from
 the `cmeel-mimalloc` wheel that `pip install` brings), `tcmalloc`, `mimalloc`, `system` (glibc

@@ -12,7 +12,7 @@ version. An entry only ever rises to the largest measurement (`python -m llm_jax
 adds one), so every later run divides by the same number, and says where it came from.
 
 A figure measured by the trainer at start-up is rough: the machine may be busy then (the figure
-in a fresh run on 2 shared cores was 8.2e10 where a quiet `bench peak` gives 1.2-1.5e11, so the
+in a fresh run on 2 shared cores was 8.2e10 where a quiet `bench peak` gives 2.1e11, so the
 first MFU read 0.8). So the entry counts the measurements `bench peak` made on purpose, and
 until there is one `peak_flops` says plainly that the figure is rough and how to make it exact.
 The trainer measures before its data pipeline and compiler start, to keep its own load out.

@@ -1,11 +1,11 @@
-"""Numbers for people: counts with SI prefixes and byte sizes in binary units, as every report
-(describe, compile, the benchmarks) prints them."""
+"""Numbers for people: counts with SI prefixes and byte sizes in binary units, as describe,
+compile and the mxfp4 benchmark print them."""
 
 from __future__ import annotations
 
 
 def format_si(x: float, unit: str = "") -> str:
-    """1.234 G, 12.5 MFLOP ...: a count with an SI prefix."""
+    """1.234 G, 12.500 MFLOP ...: a count with an SI prefix."""
     for div, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= div:
             return f"{x / div:.3f} {p}{unit}".rstrip()

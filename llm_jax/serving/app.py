@@ -6,18 +6,19 @@
     POST /v1/chat/completions  messages through the checkpoint's chat template
     POST /v1/responses         the Responses API (llm_jax/serving/responses.py)
 
-The POST routes take max_tokens (max_output_tokens), temperature, top_p, stop, seed and stream
-(server-sent events; chat and completions end with `data: [DONE]`). On a checkpoint whose
-tokenizer speaks harmony (gpt-oss), chat and responses also take `tools`, `tool_choice` and the
-reasoning effort (llm_jax/serving/prompts.py), and the reply is parsed into answer, reasoning
-and tool calls (llm_jax/serving/replies.py): chat's `message.content`, `reasoning_content` and
-`tool_calls`, streamed as deltas of each. The engine steps in its own thread; each request's
-tokens become its reply there (so a stop string never reaches the client) and reach the event
-loop through one `Mailbox` (one wake-up per batch of events). Errors are OpenAI error objects:
-400 for a bad request (malformed JSON, a wrong type, a prompt that does not fit, no chat
-template, a bad tool schema), 415 for a body that is not sent as JSON, 429 when the queue is
-full, 503 while shutting down, 504 past the request timeout. A client that goes away cancels
-its sequences, which frees their slots at the next step.
+The POST routes take max_tokens (responses: max_output_tokens), temperature, top_p, seed and
+stream (server-sent events; chat and completions end with `data: [DONE]`); chat and completions
+also take stop strings. On a checkpoint whose tokenizer speaks harmony (gpt-oss), chat and
+responses also take `tools`, `tool_choice` and the reasoning effort (llm_jax/serving/prompts.py),
+and the reply is parsed into answer, reasoning and tool calls (llm_jax/serving/replies.py):
+chat's `message.content`, `reasoning_content` and `tool_calls`, streamed as deltas of each.
+The engine steps in its own thread; each request's tokens become its reply there (so a stop
+string never reaches the client) and reach the event loop through one `Mailbox` (one wake-up
+per batch of events). Errors are OpenAI error objects: 400 for a bad request (malformed JSON, a
+wrong type, a prompt that does not fit, no chat template, a bad tool schema), 415 for a body
+that is not sent as JSON, 429 when the queue is full, 503 while shutting down, 504 past the
+request timeout. A client that goes away cancels its sequences, which frees their slots at the
+next step.
 """
 
 from __future__ import annotations

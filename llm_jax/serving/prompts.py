@@ -9,8 +9,9 @@ reply's parser reads those ids before the first generated token (`ChatPrompt.pre
 
 A checkpoint with its own chat template (gpt-oss's) renders through it, the messages
 reshaped to what transformers' gpt-oss template reads (`hf_tokenizer.template_messages`);
-without one, llm_jax/data/harmony.py renders them as they are. A checkpoint that does not speak harmony renders role and text through its template,
-tools and reasoning effort ignored, as OpenAI-compatible servers do for models without them.
+without one, llm_jax/data/harmony.py renders them as they are. A checkpoint that does not speak
+harmony renders role and text through its template, tools and reasoning effort ignored, as
+OpenAI-compatible servers do for models without them (/v1/responses refuses tools there).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ MAX_STOPS = 8  # OpenAI allows 4; a few more cost nothing here
 
 
 class SamplingRequest(BaseModel):
-    """The fields every generating route takes: length, sampling, stop strings, streaming."""
+    """The fields the generating routes share: length, sampling, stop strings (which
+    /v1/responses does not read), streaming."""
 
     model_config = ConfigDict(extra="ignore")
 

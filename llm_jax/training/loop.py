@@ -97,7 +97,8 @@ def sample_text(params: Any, cfg: ModelConfig, data: Any, *, seed: int,
                 num_samples: int = 3, max_new_tokens: int = 64,
                 model_fn: Any = None) -> list[str]:
     """A few samples, to see what the model learned: continuations of short code prompts
-    (pre-training data), or replies to held-out conversations (SFT data: `sample_prompts`)."""
+    (pre-training data), or replies to held-out prompts (SFT and preference data:
+    `sample_prompts`)."""
     abstract = abstract_model(cfg) if model_fn is None else \
         nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0)))
     model = nnx.merge(nnx.graphdef(abstract), jax.device_get(params))

@@ -105,7 +105,8 @@ def _train() -> ml_collections.ConfigDict:
 
 
 def _sft() -> ml_collections.ConfigDict:
-    # SFT data (llm_jax/data/sft.py); used when files or tfds_name is set, else `data` is.
+    # SFT data (llm_jax/data/sft.py); used when files or tfds_name (or task.name) is set, else
+    # `data` is.
     c = ml_collections.ConfigDict()
     c.files = ""  # glob of JSONL files of {"messages": [...]} or {"prompt", "completion"}
     c.tfds_name = ""  # or a TFDS dataset with such features
@@ -140,7 +141,7 @@ def _dpo() -> ml_collections.ConfigDict:
     # WORKDIR/tokenizer/ on the run's first start: a resumed run reads the copy.
     c.tokenizer = ""
     c.loss = "dpo"  # dpo (against a reference policy) | simpo (reference-free)
-    c.beta = 0.1  # DPO: the reward's scale, 1 / the KL penalty; SimPO: its reward scale
+    c.beta = 0.1  # DPO: the KL penalty's weight (and the reward's scale); SimPO: reward scale
     c.label_smoothing = 0.0  # DPO: the chance a pair's label is wrong (conservative DPO)
     c.gamma = 0.5  # SimPO: the target reward margin
     c.validation_fraction = 0.1  # prompts held out (by hash) for the held-out accuracy

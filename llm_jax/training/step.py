@@ -41,7 +41,7 @@ from llm_jax.parallel.sharding import (
 )
 from llm_jax.training import faults
 
-# Matrices get weight decay; norms, biases and sinks do not.
+# The model's matrices get weight decay; norms, biases, sinks and LoRA adapters do not.
 DECAYED = frozenset({"embedding", "unembedding", "q_proj", "k_proj", "v_proj", "o_proj",
                      "router", "gate_up_proj", "down_proj"})
 

@@ -1,9 +1,10 @@
 """Training checkpoints: Orbax CheckpointManager items for everything a resumed run needs.
 
-Items of each step: `params` and `opt_state` (sharded arrays, restored onto the current mesh),
-`step`, `config` (the full run config as JSON; its `model` section is the ModelConfig, its
-`execution` section the ExecutionConfig),
-`data` (the Grain iterator state) and `tokenizer` (the sentencepiece model, base64 in JSON).
+Items of each step: `params` and `opt_state` (sharded arrays, restored onto the current mesh;
+`opt_state` also holds the `step`), `config` (the full run config as JSON; its `model` section
+is the ModelConfig, its `execution` section the ExecutionConfig), and when given `data` (the
+Grain iterator state), `tokenizer` (a sentencepiece model, base64 in JSON) and `progress` (loop
+counters).
 Params are an item of their own so `load_pretrained(workdir)` restores them without the
 optimizer state. Saves are asynchronous; Orbax writes each step into a temporary directory and
 renames it when complete, so an interrupted save is never taken for a checkpoint.

@@ -1,5 +1,5 @@
-"""The config.json of each checkpoint format <-> ModelConfig: Hugging Face's GptOssConfig (every
-field checked, what llm_jax cannot compute refused by name), OpenAI's (the 16 architecture
+"""The config.json of each checkpoint format <-> ModelConfig: Hugging Face's GptOssConfig (each
+field it reads checked, what llm_jax cannot compute refused by name), OpenAI's (the 16 architecture
 numbers under ModelConfig's own names), and the fields read from any JSON object by type.
 """
 

@@ -83,7 +83,8 @@ def check_layout(store: TensorStore, specs: Layout, cfg: ModelConfig,
                 check_tensor(store, name + suffix, shape, True, source, cfg, names)
                 used.add(name + suffix)
         else:
-            layers = f" (layer {n} of num_hidden_layers={cfg.num_hidden_layers})" if n else ""
+            layers = ("" if n is None else
+                      f" (layer {n} of num_hidden_layers={cfg.num_hidden_layers})")
             where = ", ".join(str(f) for f in store.files)
             raise ValueError(f"checkpoint is missing tensor {name!r}, which {source} implies"
                              f"{layers} (looked in {where})")

@@ -1,6 +1,7 @@
 """The sha256 manifest of a checkpoint step: written (in a background thread) once a save has
-finished, checked before the step is restored. A mismatch is evidence of corruption, the only
-reason a step is moved aside (docs/reliability.md)."""
+finished, checked before the step is restored. A mismatch is evidence of corruption and moves
+the step aside, as a read error does for a step without a manifest (restore_check.py,
+docs/reliability.md)."""
 
 from __future__ import annotations
 

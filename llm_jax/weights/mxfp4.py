@@ -91,7 +91,8 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Each block's scale is the smallest power of two 2^k with amax / 2^k <= 6 (E2M1's largest
     value), so no value clips. Values MXFP4 already holds come back unchanged (though the bytes
-    may differ: a block whose largest code is below 4 gets a smaller scale and doubled codes)."""
+    may differ: a block whose largest magnitude is 3 or less gets a smaller scale and larger
+    codes)."""
     w = np.asarray(w, np.float32)
     if w.shape[-1] % MXFP4_BLOCK:
         raise ValueError(f"quantize_mxfp4: last axis {w.shape[-1]} is not a multiple of "

@@ -9,7 +9,8 @@ config attached (`model.cfg`) and the execution config the caller gives (`model.
 - OpenAI: `config.json` in the reference's naming (the same names as ModelConfig) + `*.safetensors`
   with `block.N.*` names, fused qkv, MoE weights (E, out, in), plain or MXFP4
   (`*.blocks` / `*.scales`).
-  A directory holding only an `original/` subdirectory is read from there.
+  A directory holding no other checkpoint but an OpenAI `original/` subdirectory is read from
+  there.
 Layouts and names: layouts.py and docs/model.md, "Checkpoints"; checking and reading a layout's
 tensors: layout_reader.py; writing: writers.py. Only safetensors are read; pickles are refused.
 Weights are filled into an abstract model (`nnx.eval_shape`), so nothing is randomly initialised.

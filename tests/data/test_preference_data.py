@@ -195,3 +195,18 @@ def test_a_process_that_holds_no_pair_out_runs_the_same_eval_batches(data_dir):
     assert shapes[0] == shapes[1] and shapes[0][0]["reference_logp"] == (1, 2)
     assert all(b["loss_mask"].sum() == 0 for b in evals[0]) and evals[1][0]["loss_mask"].sum()
     assert evals[1][0]["reference_logp"].sum() == 2  # the share's own pair, not padding
+
+
+def test_the_run_samples_replies_to_held_out_prompts(data_dir):
+    """What a DPO run's end-of-run samples reply to (`loop.sample_text`): held-out prompts,
+    rendered up to the generation prompt."""
+    data = make_preference_data(section(data_dir / "pairs.jsonl"), tokenizer_path=str(data_dir),
+                                seq_len=48, batch_size=4, seed=0)
+    (shown, ids), = data.sample_prompts(1)
+    conv = data.sample_conversations[0]
+    assert shown == conv.messages[-1]["content"] and shown.endswith("?")
+    assert ids == data.tokenizer.encode(data.tokenizer.render(
+        conv.messages, add_generation_prompt=True))
+    _, held = split_pairs(list(read_pairs(str(data_dir / "pairs.jsonl"), "skip", BadLines())),
+                          0.2)
+    assert conv.messages == held[0].prompt

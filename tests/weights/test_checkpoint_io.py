@@ -424,6 +424,10 @@ HOSTILE = {  # name: (edit of an HF dir -> the file it broke, what the error mus
     "one layer too many": (_edit_config(lambda c: c.update(num_hidden_layers=3, layer_types=[
         "sliding_attention", "full_attention", "sliding_attention"])),
                            r"missing tensor 'model.layers.2\..*layer 2 of num_hidden_layers=3"),
+    "a layer-0 tensor missing": (_edit_header(lambda h, d: h.update(
+        {"model.layers.0.post_attention_layernorm.scale": h.pop(
+            "model.layers.0.post_attention_layernorm.weight")})),
+        r"missing tensor 'model.layers.0\..*layer 0 of num_hidden_layers=2"),
     "one layer too few": (_edit_config(lambda c: c.update(num_hidden_layers=1, layer_types=[
         "sliding_attention"])), r"tensor\(s\) that .*config.json does not imply"),
     "rope_parameters a string": (_edit_config(lambda c: c.update(rope_parameters="yarn")),
