@@ -300,8 +300,10 @@ def test_full_fine_tuning_dpo_learns_the_held_out_preferences_and_resumes(tmp_pa
     assert reference.exists()
     reference.touch()
     before = reference.stat().st_mtime_ns
-    last = train(cfg, str(workdir))  # resumes at step 10
+    # resumes at step 10, and samples replies to two held-out prompts at its end
+    last = train(dpo_run_config(tmp_path / "data", **{"train.num_samples": 2}), str(workdir))
     assert reference.stat().st_mtime_ns == before  # read, not computed again
+    assert (workdir / "samples.txt").read_text().count("?\n->") == 2
     records = read_records(workdir)
     assert [r["step"] for r in records] == [1, 10, 11, 20, 30, 40, 50, 60]
     assert records[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)  # policy = reference
