@@ -37,7 +37,7 @@ from llm_jax.inference.engine import Engine
 from llm_jax.inference.requests import EngineConfig, SamplingParams, Sequence as EngineSequence
 from llm_jax.inference.stops import StopText
 from llm_jax.inference.tokenizer import load_tokenizer
-from llm_jax.runtime.cli import ArgumentParser
+from llm_jax.runtime.cli import ArgumentParser, float_dtype
 from llm_jax.weights.readers import load_pretrained
 
 
@@ -51,7 +51,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_len", type=int, default=4096, help="positions: conversation + reply")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", type=float_dtype, default=None)
     p.add_argument("--reasoning_effort", choices=harmony.REASONING_EFFORTS, default=None,
                    help="harmony checkpoints: the system message's reasoning effort")
     p.add_argument("--hide_reasoning", action="store_true",

@@ -25,7 +25,7 @@ if __name__ == "__main__":  # first: a restart under the preferred malloc re-imp
 
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.text import TextStream, find_tokenizer, text_decoder
-from llm_jax.runtime.cli import ArgumentParser
+from llm_jax.runtime.cli import ArgumentParser, float_dtype
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -47,12 +47,22 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="stop token (default: the tokenizer's EOS; -1 = never stop early)")
     p.add_argument("--adapters", default=None,
                    help="LoRA adapters directory to load onto the checkpoint (not merged)")
-    p.add_argument("--dtype", default=None, help="load weights and compute in this dtype")
-    p.add_argument("--cache_dtype", default=None, help="KV-cache dtype (default: compute dtype)")
+    p.add_argument("--dtype", type=float_dtype, default=None,
+                   help="load weights and compute in this dtype")
+    p.add_argument("--cache_dtype", type=float_dtype, default=None,
+                   help="KV-cache dtype (default: compute dtype)")
     p.add_argument("--max_len", type=int, default=None, help="KV-cache slots")
     p.add_argument("--output_json", default=None, help="write ids and text of every sequence")
     p.add_argument("--no_stream", action="store_true", help="print only when done")
     return p.parse_args(argv)
+
+
+def _read_prompt(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompt_file={path!r} cannot be read: "
+                         f"{getattr(e, 'strerror', None) or e}") from e
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             load_adapters(model, args.adapters)
         tok = find_tokenizer(args.checkpoint)
-        texts = list(args.prompt) + [Path(f).read_text() for f in args.prompt_file]
+        texts = list(args.prompt) + [_read_prompt(f) for f in args.prompt_file]
         if texts and tok is None:
             raise ValueError(f"--prompt/--prompt_file need a tokenizer, and there is no "
                              f"tokenizer.model in {args.checkpoint} or its parent; pass "

@@ -24,7 +24,7 @@ if __name__ == "__main__":  # first: a restart under the preferred malloc re-imp
     use_preferred_malloc()
 
 from llm_jax.inference.requests import EngineConfig
-from llm_jax.runtime.cli import ArgumentParser
+from llm_jax.runtime.cli import ArgumentParser, float_dtype
 from llm_jax.serving.app import Server, create_app
 
 
@@ -43,8 +43,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max_prefill", type=int, default=8, help="prompts prefilled in one call")
     p.add_argument("--request_timeout", type=float, default=600.0, help="seconds per request, "
                    "waiting included")
-    p.add_argument("--dtype", default=None, help="load weights and compute in this dtype")
-    p.add_argument("--cache_dtype", default=None, help="KV-cache dtype (default: compute dtype)")
+    p.add_argument("--dtype", type=float_dtype, default=None,
+                   help="load weights and compute in this dtype")
+    p.add_argument("--cache_dtype", type=float_dtype, default=None,
+                   help="KV-cache dtype (default: compute dtype)")
     p.add_argument("--warmup", choices=("all", "short", "none"), default="all",
                    help="before listening, compile the decode step and prefill of every "
                    "sampling mode for every prompt length bucket up to --max_len (all), for "

@@ -225,7 +225,8 @@ def run(*, repeats: int = 3, quick: bool = False, requests: int = 32, new_tokens
         min_prompt: int = 16, max_prompt: int = 256, seed: int = 0) -> dict[str, Any]:
     cfg = model_config(tiny_run_config())
     if quick:
-        # Prompts of one compile bucket (16, as the latency probe's): one prefill program.
+        # Prompts of one compile bucket (16, as the latency probe's): one bucket's prefill
+        # programs (the short warm-up compiles them for each row count and sampling mode).
         cfg, requests, new_tokens, min_prompt, max_prompt, repeats = (
             quick_model_config(), 4, 16, 4, 16, 1)
     rng = np.random.default_rng(seed)

@@ -37,6 +37,21 @@ class ArgumentParser(argparse.ArgumentParser):
         fail(self.prog.removeprefix("python -m "), message)
 
 
+def float_dtype(name: str) -> str:
+    """An argparse `type` for a floating-point dtype flag (`--dtype`, `--cache_dtype`): the name,
+    once checked, so a typo is the flag's one-line error and not a traceback from the loader."""
+    import jax.numpy as jnp  # only when the flag is given: the import is a second of start-up
+
+    try:
+        floating = jnp.issubdtype(jnp.dtype(name), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a floating-point dtype: expected "
+                                         "e.g. float32, bfloat16 or float16")
+    return name
+
+
 def load_config_file(path: str) -> ml_collections.ConfigDict:
     """`get_config()` of a configs/*.py file."""
     spec = importlib.util.spec_from_file_location("_llm_jax_config_file", path)
