@@ -10,18 +10,24 @@ from pathlib import Path
 
 
 def write_atomically(dst: str | Path, write: Callable[[Path], object]) -> Path:
-    """`write(tmp)` into a temporary sibling of `dst`, then renamed into place: a crash leaves
+    """`write(tmp)` into a temporary sibling of `dst`, then renamed into place: a failure leaves
     `dst` as it was (the temporary is removed on an error)."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         write(tmp)
-        if dst.exists():  # move the old one aside first, so that no moment has neither
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / dst.name)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
+        if dst.exists():  # a directory cannot be replaced in one rename: the old one moves
+            # aside, and is deleted only once the new one is in place (put back if it is not)
+            aside = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.replace(dst, aside / dst.name)
+            try:
+                os.replace(tmp, dst)
+            except BaseException:
+                os.replace(aside / dst.name, dst)
+                raise
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
         else:
             os.replace(tmp, dst)
     finally:
