@@ -314,9 +314,13 @@ class Engine:
                 self.cache = self._empty_pool()
 
     def _empty_pool(self) -> KVCache:
-        cache = init_cache(self.model.cfg, self.cfg.slots, self.cfg.max_len, self.cache_dtype)
-        return cache if self.mesh is None else jax.device_put(
-            cache, pool_shardings(cache, self.mesh))
+        make = functools.partial(init_cache, self.model.cfg, self.cfg.slots, self.cfg.max_len,
+                                 self.cache_dtype)
+        if self.mesh is None:
+            return make()
+        # Made in place, shard by shard: not whole on one device and then copied out.
+        shardings = pool_shardings(jax.eval_shape(make), self.mesh)
+        return jax.jit(make, out_shardings=shardings)()
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.finish_reason is not None:
