@@ -53,7 +53,7 @@ from llm_jax.inference.requests import (
     Sequence,
 )
 from llm_jax.inference.sampling import greedy_tokens, sample_logits
-from llm_jax.model.kv_cache import KVCache, LayerCache, init_cache, pool_shardings
+from llm_jax.model.kv_cache import KVCache, LayerCache, cache_shardings, init_cache, shard_cache
 from llm_jax.parallel.sharding import traced_under
 from llm_jax.runtime.backend import InferenceJit
 
@@ -80,13 +80,6 @@ def _logprobs(logits_BV, tokens_B, temps_B) -> jax.Array:
     return jnp.take_along_axis(jax.nn.log_softmax(scaled), tokens_B[:, None], -1)[:, 0]
 
 
-def _laid_out(cache: KVCache, mesh: Mesh | None) -> KVCache:
-    """The pool in the layout the Engine keeps it in on `mesh` (`pool_shardings`): the same
-    going into and coming out of every program, so that each compiles once."""
-    return cache if mesh is None else jax.lax.with_sharding_constraint(
-        cache, pool_shardings(cache, mesh))
-
-
 def _prefill_into(graphdef, state, cache, tokens_nP, lengths_n, slots_n, seeds_n, temps_n,
                   top_k_n, top_p_n, *, mode: int, max_len: int, cache_dtype: str,
                   record: bool = False, mesh: Mesh | None = None):
@@ -105,7 +98,8 @@ def _prefill_into(graphdef, state, cache, tokens_nP, lengths_n, slots_n, seeds_n
                       for pool, new in zip(cache, fresh))
         steps_n = jnp.zeros((n,), jnp.int32)
         tokens = _pick(logits_nV, seeds_n, steps_n, temps_n, top_k_n, top_p_n, mode)
-        return tokens, _laid_out(cache, mesh), (
+        # The pool leaves every program in the layout it came in with: each compiles once.
+        return tokens, shard_cache(cache, mesh), (
             (_logprobs(logits_nV, tokens, temps_n), experts[0]) if record else None)
 
 
@@ -121,7 +115,7 @@ def _decode(graphdef, treedef, weights, cache, tokens_B, positions_B, seeds_B, s
         logits_BV, cache, *experts = decode_step(model, tokens_B, positions_B, cache, layers,
                                                  with_experts=record)
         tokens = _pick(logits_BV, seeds_B, steps_B, temps_B, top_k_B, top_p_B, mode)
-        return tokens, _laid_out(cache, mesh), (
+        return tokens, shard_cache(cache, mesh), (
             (_logprobs(logits_BV, tokens, temps_B), experts[0]) if record else None)
 
 
@@ -319,7 +313,7 @@ class Engine:
         if self.mesh is None:
             return make()
         # Made in place, shard by shard: not whole on one device and then copied out.
-        shardings = pool_shardings(jax.eval_shape(make), self.mesh)
+        shardings = cache_shardings(jax.eval_shape(make), self.mesh)
         return jax.jit(make, out_shardings=shardings)()
 
     def _finish(self, seq: Sequence, reason: str) -> None:

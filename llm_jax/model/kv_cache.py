@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from llm_jax.config import ModelConfig
-from llm_jax.parallel.sharding import fitted_spec, logical_to_spec
+from llm_jax.parallel.sharding import fitted_spec
 
 # Logical names of a layer cache's dimensions, mapped onto a mesh by llm_jax.parallel.sharding.RULES
 # (batch on the batch axes data, fsdp, expert; kv heads on `tensor`), the same table the
@@ -73,33 +73,18 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     return tuple(empty(i) for i in range(cfg.num_hidden_layers))
 
 
-def _layer_shardings(mesh: Mesh, rules=None) -> LayerCache:
-    def sharding(axes: tuple[str, ...]) -> NamedSharding:
-        return NamedSharding(mesh, logical_to_spec(axes) if rules is None
-                             else logical_to_spec(axes, rules))
-
-    return LayerCache(*(sharding(axes) for axes in CACHE_AXES))
-
-
-def cache_shardings(mesh: Mesh, cfg: ModelConfig, rules=None) -> KVCache:
-    """NamedShardings of every cache array on `mesh`, from CACHE_AXES and the sharding rules."""
-    return (_layer_shardings(mesh, rules),) * cfg.num_hidden_layers
-
-
-def pool_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """NamedShardings of `cache`'s arrays (real or abstract) on `mesh`: CACHE_AXES through the
-    sharding rules, a dimension its mesh axes do not divide left unsplit (the inference
-    Engine's pool: any number of slots)."""
+    sharding rules, a dimension its mesh axes do not divide left unsplit (a batch of 3 on
+    data=2, an Engine pool of any number of slots)."""
     return tuple(LayerCache(*(NamedSharding(mesh, fitted_spec(a.shape, axes, mesh))
                               for a, axes in zip(layer, CACHE_AXES))) for layer in cache)
 
 
 def shard_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
-    """Constrains (inside jit) the cache to its logical sharding; a no-op without a mesh."""
-    if mesh is None:
-        return cache
-    layer = _layer_shardings(mesh)
-    return tuple(LayerCache(*map(jax.lax.with_sharding_constraint, c, layer)) for c in cache)
+    """Constrains (inside jit) the cache to `cache_shardings`; a no-op without a mesh."""
+    return cache if mesh is None else jax.lax.with_sharding_constraint(
+        cache, cache_shardings(cache, mesh))
 
 
 def ring_positions(newest_B: jax.Array, slots: int) -> jax.Array:

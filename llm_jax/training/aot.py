@@ -40,7 +40,7 @@ from llm_jax.inference.engine import decode_jit
 from llm_jax.inference.loop import generate_jit, slice_layers_once
 from llm_jax.inference.sampler import program_inputs
 from llm_jax.model import abstract_model, costs
-from llm_jax.model.kv_cache import init_cache, pool_shardings
+from llm_jax.model.kv_cache import cache_shardings, init_cache
 from llm_jax.model.select import kernels_line
 from llm_jax.parallel import roofline
 from llm_jax.parallel.sharding import MESH_AXES, make_mesh, state_shardings
@@ -308,7 +308,7 @@ def _compile_engine_decode(run_cfg: ml_collections.ConfigDict, cfg: Any,
         weights, treedef = jax.tree.flatten((state, layers))
         cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
         cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             cache, pool_shardings(cache, mesh))
+                             cache, cache_shardings(cache, mesh))
         i32, f32 = (jax.ShapeDtypeStruct((slots,), t, sharding=rep)
                     for t in (jnp.int32, jnp.float32))
         # Traced under the mesh, as the Engine's steps are: the MoE's and attention's Pallas

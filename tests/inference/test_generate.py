@@ -200,7 +200,7 @@ def test_stacked_layer_weights_a_one_device_mesh_and_streaming_change_no_token(m
     # runs on a one-device mesh, its cache sharded by the logical rules, and streams: it gives
     # the sliced, unsharded tokens and logits, and the callback sees each step's tokens in order.
     mesh = make_mesh({"data": 1})
-    layer = cache_shardings(mesh, CFG)[1]
+    layer = cache_shardings(jax.eval_shape(lambda: init_cache(CFG, 4, 16)), mesh)[1]
     assert layer.k.spec == logical_to_spec(CACHE_AXES.k)
     assert layer.v.spec == logical_to_spec(CACHE_AXES.v)
     for spec in (layer.k.spec, layer.v.spec):
