@@ -6,7 +6,7 @@
         [--json] [--shardings]
 
 The report (`report`, printed by `format_report`, or as JSON): every field of the run config
-(with what it controls, where documented), then parameters, FLOPs per token, the KV cache,
+(each with what it controls), then parameters, FLOPs per token, the KV cache,
 memory per device for training, inference and full vs LoRA fine-tuning, and the kernels each
 backend runs. The arithmetic is model/costs.py and model/lora_costs.py; this module only
 assembles and prints it.
@@ -24,7 +24,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from llm_jax.config import ModelConfig, field_doc
+from llm_jax.config import ModelConfig
 from llm_jax.execution import ExecutionConfig
 from llm_jax.model.costs import (
     ACTIVE_CONVENTION,
@@ -52,49 +52,13 @@ from llm_jax.parallel.sharding import MESH_AXES, parse_mesh
 from llm_jax.runtime.cli import fail, parse_flags
 from llm_jax.runtime.units import format_bytes, format_si
 from llm_jax.training.finetune import pretrained_config, resolve_model_config
-from llm_jax.training.run_config import execution_config, model_config
+from llm_jax.training.run_config import (
+    execution_config,
+    field_docs,
+    model_config,
+    validate_run_config,
+)
 
-# ---------------------------------------------------------------------------------------------
-# What each number controls.
-
-# The model and execution fields document themselves (their `doc` metadata, `field_doc`).
-RUN_FIELD_DOCS: dict[str, str] = {
-    "name": "name of the run (logs, checkpoints)",
-    "seed": "seed of the parameter initialisation",
-    "data.tfds_name": "TFDS text dataset by name ('' = local text files)",
-    "data.text_key": "feature holding the text in a TFDS dataset",
-    "data.tfds_train_split": "TFDS split to train on",
-    "data.tfds_eval_split": "TFDS split to evaluate on ('' = validation, else test)",
-    "data.files": "glob of local text files ('' = the standard library's .py files)",
-    "data.data_dir": "where TFDS datasets are built",
-    "data.validation_fraction": "share of local files held out for evaluation",
-    "data.document_bytes": "local text: documents cut near this size (0 = one per file)",
-    "data.on_bad_file": "local text: skip or stop at empty/unreadable/non-UTF-8 text",
-    "data.seq_len": "training sequence length T: attention cost and activations grow with it",
-    "data.shuffle_seed": "seed of the data order",
-    "data.shuffle_buffer_tokens": "packed rows shuffled together (long documents spread out)",
-    "data.worker_count": "Grain worker processes (0 = main process)",
-    "data.prefetch": "batches read ahead by a background thread",
-    "data.tokenizer_train_bytes": "text used to train the BPE tokenizer",
-    "train.num_steps": "optimizer steps",
-    "train.batch_size": "global batch in sequences: tokens per step = batch x seq_len",
-    "train.grad_accum_steps": "micro-batches per step: same batch, 1/n the activations",
-    "train.learning_rate": "peak learning rate",
-    "train.warmup_steps": "linear warm-up steps",
-    "train.min_lr_ratio": "cosine decay ends at learning_rate x this",
-    "train.weight_decay": "AdamW weight decay",
-    "train.b1": "Adam first-moment decay",
-    "train.b2": "Adam second-moment decay",
-    "train.grad_clip_norm": "global gradient-norm clip",
-    "train.load_balancing_loss_weight": "weight of the Switch load-balancing loss",
-    "train.router_z_loss_weight": "weight of the ST-MoE router z-loss",
-    "train.log_every_steps": "steps between log lines",
-    "train.eval_every_steps": "steps between evaluations",
-    "train.eval_batches": "batches per evaluation",
-    "checkpoint.every_steps": "steps between checkpoints",
-    "checkpoint.max_to_keep": "checkpoints kept on disk",
-    "checkpoint.async_save": "write checkpoints in the background",
-}
 
 def format_shardings(rows: list[dict[str, Any]], mesh: dict[str, int]) -> str:
     width = max(len(r["param"]) for r in rows)
@@ -124,7 +88,8 @@ def report(
     platform: str = "tpu",
 ) -> dict[str, Any]:
     """The whole report as JSON-able data (what --json prints); memory for `platform`'s
-    kernels (model/select.py)."""
+    kernels (model/select.py). A config that train would refuse is refused here too."""
+    validate_run_config(run_cfg)
     cfg, execution = _model_of(run_cfg), execution_config(run_cfg)
     seq_len = run_cfg.data.seq_len if seq_len is None else seq_len
     batch = run_cfg.train.batch_size if batch is None else batch
@@ -132,14 +97,15 @@ def report(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name}={value!r} is invalid: expected a positive integer")
     mesh = dict.fromkeys(MESH_AXES, 1) if mesh is None else mesh
-    fields = [{"field": f"model.{n}", "value": v, "doc": field_doc(ModelConfig, n)}
+    docs = field_docs()
+    fields = [{"field": f"model.{n}", "value": v, "doc": docs[f"model.{n}"]}
               for n, v in cfg.to_dict().items()]
-    fields += [{"field": f"execution.{n}", "value": v, "doc": field_doc(ExecutionConfig, n)}
+    fields += [{"field": f"execution.{n}", "value": v, "doc": docs[f"execution.{n}"]}
                for n, v in execution.to_dict().items()]
     sections = ["", "data", "train", "checkpoint"]  # top-level scalars first, then sections
     rest = sorted(_flat(run_cfg).items(), key=lambda kv: (
         sections.index(s) if (s := kv[0].rpartition(".")[0]) in sections else len(sections), kv[0]))
-    fields += [{"field": n, "value": v, "doc": RUN_FIELD_DOCS.get(n, "")}
+    fields += [{"field": n, "value": v, "doc": docs[n]}
                for n, v in rest if not n.startswith(("model.", "execution."))]
     dec = [{"context": t, "flops": decode_flops_per_token(cfg, t)}
            for t in (1024, seq_len, max_context(cfg))]

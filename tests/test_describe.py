@@ -11,17 +11,19 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import EIGHT_DEVICES
 
 from llm_jax.config import ModelConfig, field_doc
+from llm_jax.data.tasks import TaskConfig
 from llm_jax.execution import ExecutionConfig
 from llm_jax.model import abstract_model, costs as d
 from llm_jax.parallel.sharding import parse_mesh
 from llm_jax.runtime.cli import check_overrides
-from llm_jax.training.run_config import model_config
+from llm_jax.training.run_config import default_run_config, model_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -264,12 +266,19 @@ def test_cli_json_is_the_same_data_as_the_functions(cli_report):
     assert report["memory_per_device"]["tokens_per_device"] == 8 // 4 * 512
 
 
-def test_every_model_field_has_a_description(cli_report):
-    # `report()`'s field list, as the command line prints it
+def test_every_field_has_a_description(cli_report):
+    # `report()`'s field list, as the command line prints it: every field of the run config,
+    # once, each with a line on what it controls
     docs = {f["field"]: f["doc"] for f in cli_report["fields"]}
-    for section, cls in (("model", ModelConfig), ("execution", ExecutionConfig)):
+    for section, cls in (("model", ModelConfig), ("execution", ExecutionConfig),
+                         ("task", TaskConfig)):
         for f in dataclasses.fields(cls):  # each field's doc is its dataclass metadata
             assert docs[f"{section}.{f.name}"] == field_doc(cls, f.name) != ""
+    run_cfg = default_run_config("tiny", model("tiny"))
+    sections = {s: v for s, v in run_cfg.items() if isinstance(v, ml_collections.ConfigDict)}
+    flat = {f"{s}.{k}" for s, v in sections.items() for k in v} | set(run_cfg) - set(sections)
+    assert set(docs) == flat and all(len(doc) > 8 for doc in docs.values()), (
+        set(docs) ^ flat, [n for n, doc in docs.items() if len(doc) <= 8])
     fields = [f["field"] for f in cli_report["fields"]]
     assert len(fields) == len(set(fields)) and "model.vocab_size" in fields
 

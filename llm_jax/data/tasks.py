@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 from absl import logging
 
+from llm_jax.config import doc_field
 from llm_jax.data import harmony
 from llm_jax.data.config import ON_BAD_LINE
 from llm_jax.data.hf_tokenizer import TOKENIZER_FILE
@@ -63,24 +64,28 @@ class TaskConfig:
     """The run config's `task` section: which task, and its options (unused ones are ignored by
     the other tasks, except `files`: refused unless the task is jsonl)."""
 
-    name: str = ""  # "" = no task | arithmetic | sort | jsonl
-    seed: int = 0  # the examples drawn (generators) / the train order of each epoch (jsonl)
-    eval_fraction: float = 0.1  # share of problems held out, by the hash of the prompt
-    eval_size: int = 200  # held-out examples evaluated (jsonl: 0 = every held-out row)
-    sft_examples: int = 4096  # train examples the SFT warm-up renders (jsonl: at most its rows)
-    # jsonl
-    files: str = ""  # glob of JSONL files, one {prompt_key: ..., answer_key: ...} per line
-    prompt_key: str = "prompt"  # the field holding the prompt (a string: the user's message)
-    answer_key: str = "answer"  # the field holding the reference answer (a string or number)
-    on_bad_line: str = "skip"  # skip (counted and logged, named by file:line) | stop
-    # generators: operands / items drawn from [min_operand, max_operand], min_terms..max_terms
-    # of them per problem
-    min_operand: int = 0
-    max_operand: int = 50
-    min_terms: int = 2
-    max_terms: int = 2
-    operators: str = "+-"  # arithmetic: the operators drawn from, a subset of "+-"
-    show_work: bool = False  # arithmetic: partial results in the reference reply's reasoning
+    name: str = doc_field("", "verifiable task: '' = none, arithmetic, sort or jsonl")
+    seed: int = doc_field(0, "the examples drawn (generators), the train order of each epoch "
+                             "(jsonl)")
+    eval_fraction: float = doc_field(0.1, "share of problems held out, by the prompt's hash")
+    eval_size: int = doc_field(200, "held-out examples evaluated (jsonl: 0 = every held-out row)")
+    sft_examples: int = doc_field(4096, "train examples the SFT warm-up renders (jsonl: at most "
+                                        "its rows)")
+    files: str = doc_field("", "jsonl: glob of JSONL files, one {prompt_key, answer_key} a line")
+    prompt_key: str = doc_field("prompt", "jsonl: the field holding the prompt (the user's "
+                                          "message, a string)")
+    answer_key: str = doc_field("answer", "jsonl: the field holding the reference answer (a "
+                                          "string or number)")
+    on_bad_line: str = doc_field("skip", "jsonl: skip (counted, logged by file:line) or stop at "
+                                         "a bad line")
+    # The generators draw min_terms..max_terms operands (items) from [min_operand, max_operand].
+    min_operand: int = doc_field(0, "generators: smallest operand or item")
+    max_operand: int = doc_field(50, "generators: largest operand or item")
+    min_terms: int = doc_field(2, "generators: fewest operands or items a problem")
+    max_terms: int = doc_field(2, "generators: most operands or items a problem")
+    operators: str = doc_field("+-", "arithmetic: the operators drawn from, a subset of '+-'")
+    show_work: bool = doc_field(False, "arithmetic: partial results in the reference reply's "
+                                       "reasoning")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

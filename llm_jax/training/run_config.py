@@ -12,9 +12,12 @@ stays packed, and LoRA over it is QLoRA), else "dense".
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import ml_collections
 
-from llm_jax.config import ModelConfig
+from llm_jax.config import ModelConfig, field_doc
 from llm_jax.data.config import ON_BAD_FILE, ON_BAD_LINE
 from llm_jax.data.sft import DEFAULT_LOSS_CHANNELS, loss_channels
 from llm_jax.data.tasks import TaskConfig
@@ -31,17 +34,27 @@ def default_run_config(name: str, model: ModelConfig,
     cfg.seed = 0
     cfg.model = _model(model)
     cfg.execution = ml_collections.ConfigDict(execution.to_dict())
-    cfg.data = _data()
-    cfg.train = _train()
-    cfg.sft = _sft()
-    cfg.dpo = _dpo()
-    cfg.lora = _lora()
-    cfg.rl = _rl()
-    cfg.mesh = _mesh()
-    cfg.distributed = _distributed()
-    cfg.checkpoint = _checkpoint()
-    cfg.task = _task()
+    for section, fields in _SECTIONS.items():
+        cfg[section] = ml_collections.ConfigDict({k: v for k, (v, _) in fields.items()})
+    # A verifiable task (data/tasks.py): the prompts and reference answers RL is rewarded on;
+    # with no sft.files / sft.tfds_name, SFT trains on its reference replies (RL's warm-up).
+    cfg.task = ml_collections.ConfigDict(TaskConfig().to_dict())
     return cfg
+
+
+def field_docs() -> dict[str, str]:
+    """What each field of the run config controls, by its dotted name (`data.seq_len`): the
+    tables below, and the doc metadata of the dataclasses behind `model`, `execution` and
+    `task` (what describe prints)."""
+    docs = {"name": "name of the run (logs, checkpoints; runs/NAME by default)",
+            "seed": "seed of the parameter initialisation"}
+    for section, cls in (("model", ModelConfig), ("execution", ExecutionConfig),
+                         ("task", TaskConfig)):
+        docs.update({f"{section}.{f.name}": field_doc(cls, f.name)
+                     for f in dataclasses.fields(cls)})
+    for section, fields in _SECTIONS.items():
+        docs.update({f"{section}.{k}": doc for k, (_, doc) in fields.items()})
+    return docs
 
 
 def _model(model: ModelConfig) -> ml_collections.ConfigDict:
@@ -51,191 +64,173 @@ def _model(model: ModelConfig) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(d)
 
 
-def _data() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.tfds_name = ""  # any TFDS text dataset by name (needs internet), e.g. "lm1b"
-    c.text_key = "text"  # feature holding the text in a TFDS dataset
-    c.tfds_train_split = "train"
-    c.tfds_eval_split = ""  # "" = "validation" if the dataset has it, else "test"
-    c.files = ""  # a glob of local text files; "" = the Python standard library's .py files
-    c.array_record_train = ""  # glob of ArrayRecord shards of UTF-8 documents (records)
-    c.array_record_eval = ""  # the evaluation shards (needed with array_record_train)
-    c.data_dir = ""  # where TFDS datasets are built; "" = WORKDIR/tfds
-    c.validation_fraction = 0.02  # local text: share of files (by path hash) held out
-    c.document_bytes = 1 << 20  # local text: longer files are cut into documents near this size
-    c.on_bad_file = "skip"  # local text: "skip" (named in a warning) or "stop"
-    c.seq_len = 256
-    c.shuffle_seed = 0
-    c.shuffle_buffer_tokens = 1 << 20  # packed rows shuffled together; 0 = off
-    c.worker_count = 0  # Grain worker processes; 0 = load in the main process
-    c.prefetch = 2  # batches read ahead by a background thread; 0 = none
-    c.tokenizer_train_bytes = 20_000_000  # text used to train the BPE tokenizer
-    return c
+# Each section: field -> (default, what it controls). The doc is describe's line for the field.
+_DATA = {
+    "tfds_name": ("", "TFDS text dataset by name, e.g. 'lm1b' (needs internet); '' = local text"),
+    "text_key": ("text", "feature holding the text in a TFDS dataset"),
+    "tfds_train_split": ("train", "TFDS split to train on"),
+    "tfds_eval_split": ("", "TFDS split to evaluate on ('' = validation if it exists, else test)"),
+    "files": ("", "glob of local text files ('' = the Python standard library's .py files)"),
+    "array_record_train": ("", "glob of ArrayRecord shards of UTF-8 documents (one a record)"),
+    "array_record_eval": ("", "the evaluation shards (needed with array_record_train)"),
+    "data_dir": ("", "where TFDS datasets are built ('' = WORKDIR/tfds)"),
+    "validation_fraction": (0.02, "local text: share of files held out (by path hash)"),
+    "document_bytes": (1 << 20, "local text: longer files are cut into documents near this size "
+                                "(0 = one per file)"),
+    "on_bad_file": ("skip", "local text: skip (named in a warning) or stop at an empty, "
+                            "unreadable or non-UTF-8 file"),
+    "seq_len": (256, "training sequence length T: attention cost and activations grow with it"),
+    "shuffle_seed": (0, "seed of the data order"),
+    "shuffle_buffer_tokens": (1 << 20, "packed rows shuffled together, in tokens (0 = off)"),
+    "worker_count": (0, "Grain worker processes (0 = load in the main process)"),
+    "prefetch": (2, "batches read ahead by a background thread (0 = none)"),
+    "tokenizer_train_bytes": (20_000_000, "text used to train the BPE tokenizer"),
+}
 
-
-def _train() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.num_steps = 1000
-    c.batch_size = 8  # global batch, in sequences
-    c.grad_accum_steps = 1
-    c.learning_rate = 3e-3
-    c.warmup_steps = 100
-    c.min_lr_ratio = 0.1  # cosine decay ends at learning_rate * min_lr_ratio
-    c.weight_decay = 0.1
-    c.b1 = 0.9
-    c.b2 = 0.95
-    c.grad_clip_norm = 1.0
-    c.load_balancing_loss_weight = 0.01
-    c.router_z_loss_weight = 1e-3
-    c.log_every_steps = 10
-    c.eval_every_steps = 200
-    c.eval_batches = 8
-    c.num_samples = 3  # lines of text sampled at the end of the run
-    c.peak_flops = 0.0  # MFU denominator in FLOP/s; 0 = measure a matmul at start-up
+_TRAIN = {
+    "num_steps": (1000, "optimizer steps"),
+    "batch_size": (8, "global batch in sequences: tokens per step = batch x seq_len"),
+    "grad_accum_steps": (1, "micro-batches per step: the same batch, 1/n the activations"),
+    "learning_rate": (3e-3, "peak learning rate"),
+    "warmup_steps": (100, "linear warm-up steps"),
+    "min_lr_ratio": (0.1, "cosine decay ends at learning_rate x this"),
+    "weight_decay": (0.1, "AdamW weight decay"),
+    "b1": (0.9, "Adam first-moment decay"),
+    "b2": (0.95, "Adam second-moment decay"),
+    "grad_clip_norm": (1.0, "global gradient-norm clip"),
+    "load_balancing_loss_weight": (0.01, "weight of the Switch load-balancing loss"),
+    "router_z_loss_weight": (1e-3, "weight of the ST-MoE router z-loss"),
+    "log_every_steps": (10, "steps between log lines"),
+    "eval_every_steps": (200, "steps between evaluations"),
+    "eval_batches": (8, "batches per evaluation"),
+    "num_samples": (3, "samples generated and logged at the end of the run"),
+    "peak_flops": (0.0, "MFU denominator in FLOP/s (0 = measure a matmul at start-up)"),
     # A step whose loss or gradient norm is not finite stops the run, naming the step and the
-    # last good checkpoint; True instead skips that update (params and moments kept) and counts
-    # it in the metrics as skipped_updates (docs/reliability.md).
-    c.skip_nonfinite_updates = False
-    c.inject_nan_at_step = -1  # fault injection (llm_jax.training.faults): NaN loss at step N
-    # Fine-tuning (docs/finetuning.md): any directory load_pretrained reads (HF, OpenAI original/,
-    # llm_jax, a training workdir). Params and model config come from it; a resumed run restores
-    # its own checkpoint instead.
-    c.init_from = ""
-    return c
+    # last good checkpoint, unless this is set (docs/reliability.md).
+    "skip_nonfinite_updates": (False, "skip a non-finite step's update (params and moments "
+                                      "kept, counted as skipped_updates) instead of stopping"),
+    "inject_nan_at_step": (-1, "fault injection (training/faults.py): a NaN loss at this step"),
+    # A resumed run restores its own checkpoint instead (docs/finetuning.md).
+    "init_from": ("", "fine-tuning: the params and model config of any directory "
+                      "load_pretrained reads (HF, OpenAI original/, llm_jax, a workdir)"),
+}
+
+# A fine-tuning run's tokenizer; a run's first start copies it into WORKDIR/tokenizer/ and a
+# resumed run reads the copy.
+_TOKENIZER = ("", "directory with tokenizer.json and a chat template ('' = train.init_from)")
+
+# Used when files or tfds_name (or task.name) is set, else `data` is (data/sft.py).
+_SFT = {
+    "files": ("", "SFT: glob of JSONL files of {messages} or {prompt, completion}"),
+    "tfds_name": ("", "SFT: or a TFDS dataset with such features"),
+    "tfds_split": ("train", "the TFDS split"),
+    "data_dir": ("", "TFDS data_dir ('' = TFDS's default)"),
+    "tokenizer": _TOKENIZER,
+    "on_bad_line": ("skip", "skip (counted, logged by file:line) or stop at a bad line"),
+    "validation_fraction": (0.05, "conversations held out (by hash) for val_loss (0 = none)"),
+    # Reasoning in the data is there to be learned: without it the answers are trained after
+    # reasoning the model never learns to write (docs/finetuning.md).
+    "loss_channels": (DEFAULT_LOSS_CHANNELS, "harmony channels of the assistant's messages in "
+                      "the loss, comma-separated: analysis, commentary, final"),
+}
+
+# Preference optimisation (training/preference.py, docs/posttraining.md); used when files is set.
+_DPO = {
+    "files": ("", "preference pairs: glob of JSONL files of {prompt, chosen, rejected}"),
+    "tokenizer": _TOKENIZER,
+    "loss": ("dpo", "dpo (against a reference policy) or simpo (reference-free)"),
+    "beta": (0.1, "DPO: the KL penalty's weight (and the reward's scale); SimPO: reward scale"),
+    "label_smoothing": (0.0, "DPO: the chance a pair's label is wrong (conservative DPO)"),
+    "gamma": (0.5, "SimPO: the target reward margin"),
+    "validation_fraction": (0.1, "prompts held out (by hash) for the held-out accuracy"),
+    "on_bad_line": ("skip", "skip (counted, logged by file:line) or stop at a bad line"),
+}
+
+_LORA = {  # model/lora.py
+    "rank": (0, "LoRA rank (0 = full fine-tuning)"),
+    "alpha": (16.0, "LoRA scale: an adapted projection reads w + (alpha / rank) A B"),
+    "targets": ("q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj",
+                "the projections that get adapters, comma-separated"),
+}
+
+# RL with verifiable rewards (training/rl_loop.py, docs/posttraining.md): with `rewards` set a
+# run samples completions of the task's prompts and trains on their rewards. train.num_steps,
+# warmup_steps, log_every_steps and checkpoint.every_steps count RL steps (one rollout batch
+# each); the batch is prompts_per_step x group_size completions (train.batch_size is unread).
+_LOSS = PolicyLossConfig()
 
 
-def _sft() -> ml_collections.ConfigDict:
-    # SFT data (llm_jax/data/sft.py); used when files or tfds_name (or task.name) is set, else
-    # `data` is.
-    c = ml_collections.ConfigDict()
-    c.files = ""  # glob of JSONL files of {"messages": [...]} or {"prompt", "completion"}
-    c.tfds_name = ""  # or a TFDS dataset with such features
-    c.tfds_split = "train"
-    c.data_dir = ""  # TFDS data_dir; "" = TFDS's default
-    # A directory with tokenizer.json + chat template ("" = train.init_from), copied into
-    # WORKDIR/tokenizer/ on the run's first start: a resumed run reads the copy.
-    c.tokenizer = ""
-    c.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
-    c.validation_fraction = 0.05  # conversations held out (by hash) for val_loss; 0 = none
-    # Harmony (gpt-oss) conversations: the channels of the assistant's messages in the loss,
-    # comma-separated from analysis (reasoning), commentary (tool calls, preambles) and final
-    # (answers). All by default: reasoning in the data is there to be learned; without it the
-    # answers are trained after reasoning the model never learns to write (docs/finetuning.md).
-    c.loss_channels = DEFAULT_LOSS_CHANNELS
-    return c
+def _loss_field(name: str) -> tuple[Any, str]:  # a policy-loss field, as PolicyLossConfig has it
+    return getattr(_LOSS, name), field_doc(PolicyLossConfig, name)
 
 
-def _task() -> ml_collections.ConfigDict:
-    # A verifiable task (llm_jax/data/tasks.py; each field is described on TaskConfig): the
-    # prompts and reference answers RL is rewarded on; with no sft.files / sft.tfds_name, SFT
-    # trains on its reference replies (the warm-up before RL). name "" = none.
-    return ml_collections.ConfigDict(TaskConfig().to_dict())
+_RL = {
+    "rewards": ("", "RL: 'name:weight,...' from training.rewards.REWARDS ('' = no RL)"),
+    "pass_threshold": (1.0, "a completion passes when its weighted reward is at least this"),
+    "group_size": (8, "completions per prompt; each one's advantage is against its group's"),
+    "prompts_per_step": (8, "prompts a step, in order from the task's train split"),
+    "max_prompt_tokens": (256, "a longer rendered prompt is refused, naming its example"),
+    "max_new_tokens": (128, "tokens sampled per completion at most"),
+    "temperature": (1.0, "sampling temperature, and the trainer's log-probs' (logits / it)"),
+    "top_p": (1.0, "nucleus sampling's mass (1 = off)"),
+    "updates_per_rollout": (1, "optimizer steps on each rollout batch"),
+    "aggregation": _loss_field("aggregation"),
+    "ratio": _loss_field("ratio"),
+    "epsilon_low": _loss_field("epsilon_low"),
+    "epsilon_high": _loss_field("epsilon_high"),
+    "beta": (_LOSS.beta, field_doc(PolicyLossConfig, "beta") + "; LoRA's reference is the "
+             "adapters off, else the initial params"),
+    "importance_cap": (0.0, "truncated importance sampling's cap (>= 1; 0 = off)"),
+    "scale_by_std": _loss_field("scale_by_std"),
+    "dynamic_sampling": (False, "drop groups whose rewards are all equal (counted either way)"),
+    "replay": (True, "replay the rollout's MoE routing in the trainer's forwards"),
+    "allow_dropping_dispatch": (False, "permit a capacity or expert_parallel MoE dispatch"),
+    "eval_every_steps": (10, "steps between greedy pass-rate evaluations on the task's eval "
+                             "split (0 = start and end only)"),
+    "eval_examples": (64, "eval-split examples each evaluation decodes"),
+    "engine_slots": (0, "sequences the rollout engine decodes together (0 = the whole batch)"),
+    "engine_max_prefill": (8, "prompts prefilled in one call"),
+    "tokenizer": _TOKENIZER,
+}
 
+# Sizes within a slice or node; dcn_* multiply them across TPU slices or GPU nodes (the
+# data-center network). docs/scaling.md says how to choose.
+_MESH = {
+    "data": (-1, "devices the batch is split over (-1 = the devices the other axes leave)"),
+    "fsdp": (1, "devices the batch and the params' embed dimension (so their gradients and "
+                "Adam moments) are split over"),
+    "tensor": (1, "devices the heads, the MLP's hidden units and the vocabulary are split over"),
+    "expert": (1, "devices the experts are split over (the batch and embed dimension too)"),
+    "dcn_data": (1, "data's multiple across slices or nodes"),
+    "dcn_fsdp": (1, "fsdp's multiple across slices or nodes"),
+    "dcn_tensor": (1, "tensor's multiple across slices or nodes"),
+    "dcn_expert": (1, "expert's multiple across slices or nodes"),
+}
 
-def _dpo() -> ml_collections.ConfigDict:
-    # Preference optimisation (llm_jax/training/preference.py, docs/posttraining.md); used when
-    # files is set: pairs of responses instead of `data` or `sft`.
-    c = ml_collections.ConfigDict()
-    c.files = ""  # glob of JSONL files of {"prompt", "chosen", "rejected"}
-    # A directory with tokenizer.json + chat template ("" = train.init_from), copied into
-    # WORKDIR/tokenizer/ on the run's first start: a resumed run reads the copy.
-    c.tokenizer = ""
-    c.loss = "dpo"  # dpo (against a reference policy) | simpo (reference-free)
-    c.beta = 0.1  # DPO: the KL penalty's weight (and the reward's scale); SimPO: reward scale
-    c.label_smoothing = 0.0  # DPO: the chance a pair's label is wrong (conservative DPO)
-    c.gamma = 0.5  # SimPO: the target reward margin
-    c.validation_fraction = 0.1  # prompts held out (by hash) for the held-out accuracy
-    c.on_bad_line = "skip"  # skip (counted and logged, named by file:line) | stop
-    return c
+# Multi-process runs (parallel/distributed.py): '' and -1 read the environment
+# (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or TPU VM / SLURM detection).
+_DISTRIBUTED = {
+    "coordinator_address": ("", "host:port of process 0 ('' = from the environment)"),
+    "num_processes": (-1, "processes in the run (-1 = from the environment, else 1)"),
+    "process_id": (-1, "this process's index (-1 = from the environment)"),
+    "initialization_timeout": (300, "seconds to wait for every process to join"),
+}
 
+_CHECKPOINT = {
+    "every_steps": (250, "steps between checkpoints"),
+    "max_to_keep": (3, "checkpoints kept on disk"),
+    "async_save": (True, "write checkpoints in the background"),
+    # About 0.4 GB/s per core here: off for checkpoints too big to hash.
+    "checksums": (True, "sha256 of every file of a save, hashed in the background and checked "
+                        "before a restore"),
+    # A refused start keeps what was saved from being trained over from step 0.
+    "allow_fresh_start": (False, "start from scratch in a workdir whose steps were all moved to "
+                                 "corrupt_checkpoints/ (they stay there)"),
+    "inject_kill_during_save_at_step": (-1, "fault injection: kill -9 mid-save at this step"),
+}
 
-def _lora() -> ml_collections.ConfigDict:
-    # LoRA (llm_jax/model/lora.py): rank 0 = full fine-tuning.
-    c = ml_collections.ConfigDict()
-    c.rank = 0
-    c.alpha = 16.0
-    c.targets = "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj"
-    return c
-
-
-def _rl() -> ml_collections.ConfigDict:
-    # RL with verifiable rewards (llm_jax/training/rl_loop.py, docs/posttraining.md): a run with
-    # `rewards` set samples completions of the `task`'s prompts and trains on their rewards
-    # instead of running the language-model loop. train.num_steps, warmup_steps, log_every_steps
-    # and checkpoint.every_steps count RL steps (one rollout batch each); the batch is
-    # prompts_per_step * group_size completions (train.batch_size is not read).
-    c = ml_collections.ConfigDict()
-    c.rewards = ""  # "name:weight,..." (llm_jax.training.rewards.REWARDS); "" = no RL
-    c.pass_threshold = 1.0  # a completion passes when its weighted reward is at least this
-    c.group_size = 8  # G completions per prompt: each one's advantage is against its group's
-    c.prompts_per_step = 8  # P prompts a step, taken in order from the task's train split
-    c.max_prompt_tokens = 256  # a longer rendered prompt is refused, naming its example
-    c.max_new_tokens = 128
-    c.temperature = 1.0  # sampling, and the trainer's log-probs (logits / temperature)
-    c.top_p = 1.0
-    c.updates_per_rollout = 1  # optimizer steps on each rollout batch (ratios vs the rollout)
-    loss = PolicyLossConfig()  # its fields, by their names (llm_jax/training/policy_loss.py)
-    c.aggregation = loss.aggregation
-    c.ratio = loss.ratio
-    c.epsilon_low = loss.epsilon_low
-    c.epsilon_high = loss.epsilon_high
-    c.beta = loss.beta  # > 0: KL to the reference (LoRA: adapters off; else the initial params)
-    c.importance_cap = 0.0  # truncated importance sampling cap (>= 1); 0 = off
-    c.scale_by_std = loss.scale_by_std
-    c.dynamic_sampling = False  # drop groups whose rewards are all equal (counted either way)
-    c.replay = True  # replay the rollout's MoE routing in the trainer's forwards
-    c.allow_dropping_dispatch = False  # permit a capacity / expert_parallel MoE dispatch
-    c.eval_every_steps = 10  # greedy pass rate on the task's eval split; 0 = start and end only
-    c.eval_examples = 64
-    c.engine_slots = 0  # sequences the rollout engine decodes together; 0 = the whole batch
-    c.engine_max_prefill = 8  # prompts prefilled in one call
-    # A directory with tokenizer.json + chat template ("" = train.init_from), copied into
-    # WORKDIR/tokenizer/ on the run's first start: a resumed run reads the copy.
-    c.tokenizer = ""
-    return c
-
-
-def _mesh() -> ml_collections.ConfigDict:
-    # Device mesh (llm_jax.parallel.sharding): sizes within a slice / node; one may be -1 (the rest).
-    # dcn_* multiply them across TPU slices or GPU nodes (the data-center network). See
-    # docs/scaling.md for how to choose.
-    c = ml_collections.ConfigDict()
-    c.data = -1
-    c.fsdp = 1
-    c.tensor = 1
-    c.expert = 1
-    c.dcn_data = 1
-    c.dcn_fsdp = 1
-    c.dcn_tensor = 1
-    c.dcn_expert = 1
-    return c
-
-
-def _distributed() -> ml_collections.ConfigDict:
-    # Multi-process runs (llm_jax.parallel.distributed): "" / -1 = from the environment (JAX_COORDINATOR_
-    # ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or TPU VM / SLURM detection); none = 1 process.
-    c = ml_collections.ConfigDict()
-    c.coordinator_address = ""  # host:port of process 0
-    c.num_processes = -1
-    c.process_id = -1
-    c.initialization_timeout = 300  # seconds to wait for every process
-    return c
-
-
-def _checkpoint() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.every_steps = 250
-    c.max_to_keep = 3
-    c.async_save = True
-    # sha256 of every file of a finished save, hashed in a background thread (about 0.4 GB/s
-    # per core here) and checked before a restore; off for checkpoints too big to hash.
-    c.checksums = True
-    # A workdir with no restorable checkpoint but steps moved to WORKDIR/corrupt_checkpoints/ is
-    # refused rather than trained again from step 0; True starts from scratch there anyway (the
-    # moved steps stay where they are). docs/reliability.md.
-    c.allow_fresh_start = False
-    c.inject_kill_during_save_at_step = -1  # fault injection: kill -9 mid-save
-    return c
+_SECTIONS = {"data": _DATA, "train": _TRAIN, "sft": _SFT, "dpo": _DPO, "lora": _LORA,
+             "rl": _RL, "mesh": _MESH, "distributed": _DISTRIBUTED, "checkpoint": _CHECKPOINT}
 
 
 _CHOICES = {  # (section, field): the values allowed
