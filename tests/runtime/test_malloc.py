@@ -154,6 +154,7 @@ import llm_jax.training.loop, llm_jax.training.step, llm_jax.inference.engine
 from llm_jax.runtime.malloc import active_malloc
 after = {k: repr(v) for k, v in jax.config.values.items()}
 print(json.dumps({"dlopened": opened, "malloc": active_malloc(),
+                  "tfds": "tensorflow_datasets" in sys.modules,
                   "config_changed": sorted(k for k in after if after[k] != before.get(k)),
                   "env_changed": sorted(k for k in set(env) | set(os.environ)
                                         if env.get(k) != os.environ.get(k))}))
@@ -170,6 +171,7 @@ def test_importing_llm_jax_leaves_the_process_allocator_jax_config_and_env_alone
     assert r["malloc"] == "system", r
     assert r["config_changed"] == [], r["config_changed"]
     assert r["env_changed"] == [], r["env_changed"]
+    assert not r["tfds"]  # TFDS is imported by the runs that read it, not by the trainer
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
