@@ -97,8 +97,8 @@ def sample_text(params: Any, cfg: ModelConfig, data: Any, *, seed: int,
                 num_samples: int = 3, max_new_tokens: int = 64,
                 model_fn: Any = None) -> list[str]:
     """A few samples, to see what the model learned: continuations of short code prompts
-    (pre-training data), or replies to held-out prompts (SFT and preference data:
-    `sample_prompts`)."""
+    (pre-training data), or replies to the data's prompts, held-out ones where there are such
+    (SFT and preference data: `sample_prompts`)."""
     abstract = abstract_model(cfg) if model_fn is None else \
         nnx.eval_shape(lambda: model_fn(rngs=nnx.Rngs(params=0)))
     model = nnx.merge(nnx.graphdef(abstract), jax.device_get(params))
@@ -320,7 +320,9 @@ def _loop(run: Run, stop: StopRequest) -> dict[str, Any]:
             p.steps_since_log += 1
             done = step + 1
             p.unchecked = (done, metrics.pop("finite"))
-            if done % tc.log_every_steps == 0 or done == tc.num_steps or done == run.start + 1:
+            eval_due = tc.eval_every_steps and done % tc.eval_every_steps == 0
+            if (done % tc.log_every_steps == 0 or done == tc.num_steps or done == run.start + 1
+                    or eval_due):  # an evaluation is logged with its step's metrics
                 log(run, done, metrics, bar)
             bar.update(1)
             run.ckpt.poll()

@@ -155,7 +155,7 @@ def test_train_cli_end_to_end(corpus_dir, tmp_path):
         "data.seq_len": 32, "data.shuffle_buffer_tokens": SHUFFLE_BUFFER_TOKENS,
         "train.batch_size": 8, "train.num_steps": 16,
         "train.warmup_steps": 4, "train.learning_rate": 1e-2, "train.log_every_steps": 4,
-        "train.eval_every_steps": 8, "train.eval_batches": 2, "checkpoint.every_steps": 8,
+        "train.eval_every_steps": 6, "train.eval_batches": 2, "checkpoint.every_steps": 8,
     }
     cmd = [sys.executable, "-m", "llm_jax.train", "--config", str(ROOT / "configs/tiny.py"),
            f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
@@ -166,6 +166,8 @@ def test_train_cli_end_to_end(corpus_dir, tmp_path):
     records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.5, losses  # it learns
+    # every eval_every_steps and at the end, whether or not a step is one of log_every_steps'
+    assert [r["step"] for r in records if "val_loss" in r] == [6, 12, 16]
     last = records[-1]
     for key in ("val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_sec", "mfu", "expert_load"):
         assert key in last, key
