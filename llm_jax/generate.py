@@ -24,7 +24,7 @@ if __name__ == "__main__":  # first: a restart under the preferred malloc re-imp
     use_preferred_malloc()
 
 from llm_jax.inference.sampler import sample
-from llm_jax.inference.text import TextStream, find_tokenizer, text_decoder
+from llm_jax.inference.text import TextStream, text_decoder
 from llm_jax.runtime.cli import ArgumentParser, float_dtype
 
 
@@ -70,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not args.checkpoint:
             raise ValueError("--checkpoint is required")
+        if args.output_json and not Path(args.output_json).resolve().parent.is_dir():
+            raise ValueError(f"--output_json={args.output_json!r}: its directory does not exist")
         from llm_jax.weights.readers import load_pretrained  # after the flags: start-up cost
 
         model = load_pretrained(args.checkpoint, dtype=args.dtype)
@@ -77,13 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from llm_jax.weights.adapters import load_adapters  # after the flags: start-up cost
 
             load_adapters(model, args.adapters)
-        tok = find_tokenizer(args.checkpoint)
+        from llm_jax.inference.tokenizer import load_tokenizer  # after the flags: start-up cost
+
+        tok = load_tokenizer(args.checkpoint)
         texts = list(args.prompt) + [_read_prompt(f) for f in args.prompt_file]
         if texts and tok is None:
-            raise ValueError(f"--prompt/--prompt_file need a tokenizer, and there is no "
-                             f"tokenizer.model in {args.checkpoint} or its parent; pass "
-                             f"--prompt_ids instead")
-        prompts = tok.encode_batch(texts) if texts else []
+            raise ValueError(f"--prompt/--prompt_file need a tokenizer, and there is none in "
+                             f"{args.checkpoint} (tokenizer.json, or tokenizer.model there or in "
+                             f"its parent); pass --prompt_ids instead")
+        prompts = [tok.encode(t) for t in texts]
         for s in args.prompt_ids:
             try:
                 prompts.append([int(x) for x in s.replace(" ", "").split(",") if x])
@@ -94,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("give at least one --prompt, --prompt_file or --prompt_ids")
         eos = args.eos_id if args.eos_id is not None else (tok.eos_id if tok else None)
         eos = None if eos is not None and eos < 0 else eos
-        decode = text_decoder(tok)
+        decode = tok.decode if tok else text_decoder(None)
         stream = None
         if len(prompts) == 1 and not args.no_stream:
             stream = TextStream(decode, prefix=texts[0] if texts else args.prompt_ids[0])
@@ -113,9 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             head = texts[i] if i < len(texts) else ",".join(map(str, p))
             print(f"--- [{i}]\n{head}{decode(out)}")
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps([
-            {"prompt_ids": p, "ids": out, "text": decode(out)} for p, out in zip(prompts, ids)],
-            indent=2))
+        try:
+            Path(args.output_json).write_text(json.dumps([
+                {"prompt_ids": p, "ids": out, "text": decode(out)}
+                for p, out in zip(prompts, ids)], indent=2))
+        except OSError as e:
+            print(f"llm_jax.generate: error: --output_json={args.output_json!r} cannot be "
+                  f"written: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 0
 
 

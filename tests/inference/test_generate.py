@@ -349,6 +349,32 @@ def test_cli_generates_from_an_llm_jax_checkpoint_with_its_tokenizer(model, tmp_
     assert row["ids"] == generate(model, row["prompt_ids"], max_new_tokens=8, eos_id=tok.eos_id)
 
 
+def test_cli_encodes_text_with_a_hugging_face_checkpoints_tokenizer_json(tmp_path, capsys):
+    """A Hugging Face / gpt-oss directory has tokenizer.json, no tokenizer.model: --prompt is
+    encoded with it and generation stops at its tokenizer_config.json eos_token. An
+    --output_json whose directory is missing is refused before anything is generated."""
+    import tokenizers
+    from helpers import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "hf")
+    tok = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    prompt = "the cat sat on"
+    out_json = tmp_path / "out.json"
+    assert main(["--checkpoint", str(ckpt), "--prompt", prompt, "--max_new_tokens", "6",
+                 "--no_stream", "--output_json", str(out_json)]) == 0
+    (row,) = json.loads(out_json.read_text())
+    assert row["prompt_ids"] == tok.encode(prompt, add_special_tokens=False).ids
+    model = readers.load_pretrained(str(ckpt))
+    assert row["ids"] == generate(model, row["prompt_ids"], max_new_tokens=6,
+                                  eos_id=tok.token_to_id("<|end|>"))
+    assert row["text"] == tok.decode(row["ids"], skip_special_tokens=False)
+    assert row["text"] in capsys.readouterr().out
+    missing = tmp_path / "no_such_dir" / "out.json"
+    assert main(["--checkpoint", str(ckpt), "--prompt", prompt, "--output_json",
+                 str(missing)]) == 2
+    assert "--output_json" in capsys.readouterr().err and not missing.parent.exists()
+
+
 def test_cli_takes_prompt_ids_without_a_tokenizer_and_names_bad_flags(model, tmp_path, capsys):
     ckpt = writers.save_llm_jax(model, tmp_path / "ckpt")  # (HF loading: the transformers test)
     out_json = tmp_path / "out.json"
