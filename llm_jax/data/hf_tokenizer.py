@@ -164,7 +164,10 @@ class HFTokenizer:
                 raise ValueError(f"tokenizer config {cfg_path} is corrupt: {e}") from e
         template_path = d / TEMPLATE_FILE
         if template_path.exists():
-            source, where = template_path.read_text(), str(template_path)
+            try:
+                source, where = template_path.read_text(encoding="utf-8"), str(template_path)
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"chat template {template_path} is unreadable: {e}") from e
         else:
             source, where = config.get("chat_template"), f"{cfg_path} (chat_template)"
         self.harmony = harmony.HarmonyTokens.find(self._tok.token_to_id)

@@ -133,6 +133,11 @@ def test_a_template_without_harmony_masks_each_reply_as_before(tmp_path):
     for channels in ("final", "analysis,commentary,final"):  # not read without harmony
         ids, mask = tokenize_conversation(hf, messages, loss_channels(channels))
         assert hf.decode(ids[mask == 1]) == "sat<|end|>the<|end|>"
+    # a template that is not UTF-8, or does not parse, is refused naming its file
+    for bad, what in ((b"{{ m\xff }}", "unreadable"), (b"{% for m in %}", "corrupt")):
+        (tmp_path / "chat_template.jinja").write_bytes(bad)
+        with pytest.raises(ValueError, match=f"chat template .*chat_template.jinja is {what}"):
+            HFTokenizer(tmp_path)
 
 
 def test_sft_lines_with_reasoning_and_tools_pack_with_the_mask(harmony_tokenizer, tmp_path):
