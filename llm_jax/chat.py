@@ -7,8 +7,8 @@
 Each line you type is a user message; the conversation so far goes through the checkpoint's
 chat template and the reply streams as it is generated (the continuous-batching engine with
 one slot, llm_jax/inference/engine.py). `/reset` starts over, `/exit` or end of input leaves.
-When the conversation outgrows --max_len, the oldest exchanges are dropped (the system message
-stays).
+When the conversation leaves less than --max_tokens of --max_len for the reply, the oldest
+exchanges are dropped (the system message stays).
 
 A checkpoint that speaks harmony (gpt-oss) streams its reply parsed into messages: reasoning
 (the analysis channel) dimmed on a terminal and marked `[reasoning]` elsewhere, or hidden with

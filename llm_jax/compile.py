@@ -1,5 +1,6 @@
-"""`python -m llm_jax.compile`: the train step (or generation) compiled ahead of time for a TPU
-slice or a simulated CPU mesh, with its per-chip memory (the compiling is llm_jax/training/aot.py).
+"""`python -m llm_jax.compile`: the train step (or generation, or an RL step) compiled ahead of
+time for a TPU slice or a simulated CPU mesh, with its per-chip memory (the compiling is
+llm_jax/training/aot.py).
 
     python -m llm_jax.compile --config configs/gpt_oss_20b.py --topology v5p-32 \\
         --mesh fsdp=4,expert=4 [--num_slices 2 --dcn data=2] [--batch 16] [--seq_len 4096] \\

@@ -6,10 +6,9 @@
         [--json] [--shardings]
 
 The report (`report`, printed by `format_report`, or as JSON): every field of the run config
-(each with what it controls), then parameters, FLOPs per token, the KV cache,
-memory per device for training, inference and full vs LoRA fine-tuning, and the kernels each
-backend runs. The arithmetic is model/costs.py and model/lora_costs.py; this module only
-assembles and prints it.
+(each with what it controls), then parameters, the kernels each backend runs, FLOPs per token,
+the KV cache, and memory per device for training, inference and full vs LoRA fine-tuning. The
+arithmetic is model/costs.py and model/lora_costs.py; this module only assembles and prints it.
 
 Notation: L layers, D hidden, V vocab, N q heads, K kv heads, H head_dim, E experts, k experts
 per token, F intermediate, W sliding window, T sequence length, B batch (sequences).
@@ -88,7 +87,8 @@ def report(
     platform: str = "tpu",
 ) -> dict[str, Any]:
     """The whole report as JSON-able data (what --json prints); memory for `platform`'s
-    kernels (model/select.py). A config that train would refuse is refused here too."""
+    kernels (model/select.py). A config that train refuses before it starts (the run config's
+    checks, the model section) is refused here too."""
     validate_run_config(run_cfg)
     cfg, execution = _model_of(run_cfg), execution_config(run_cfg)
     seq_len = run_cfg.data.seq_len if seq_len is None else seq_len

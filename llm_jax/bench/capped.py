@@ -1,7 +1,7 @@
 """Measuring memory in a child process: the kernel's own counters (current and peak resident set,
 the peak reset between phases) and a watchdog that ends the child at an RSS cap, so a benchmark
 of a model near the machine's memory reports how far it got instead of swapping or being killed
-by the kernel with nothing said. Linux (/proc); elsewhere the peak cannot be reset.
+by the kernel with nothing said. Linux only: both read /proc/self.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ process, with the same tokenizer copied into each workdir: wall time, time to th
 and the peak RSS of the whole process tree. The larger corpus should cost what the smaller does.
 RSS is sampled every 0.2 s over the main process and its Grain workers (their sum: shared pages
 count twice, so it is an upper bound); the peak is reported. Each row, and writing each
-corpus, runs in a fresh process.
+corpus (but under --quick), runs in a fresh process.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 
 A malloc is chosen at process start, so each contender is a child process (`system`: glibc as
 it is; `glibc`: glibc tuned in-process by `tune_glibc`; `mimalloc`, `tcmalloc`: preloaded,
-the latter only where installed). Each child compiles configs/tiny.py's step at 8 x 256
-float32, runs 2 warm-up steps, then `steps` timed ones, and reports its median ms/step and the
-minor page faults and system CPU seconds per step (getrusage). Children run A B C A B C ...
+the latter only where installed). Each child compiles the train step of configs/tiny.py's model
+(under the default ExecutionConfig) at 8 x 256 float32, runs 2 warm-up steps, then `steps`
+timed ones, and reports its median ms/step and the minor page faults and system CPU seconds per
+step (getrusage). Children run A B C A B C ...
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@
         [--paths dense,ragged,blocked,capacity]
 
 T = 8 x 256 tokens, D 256, F 256, k = 2 experts per token, float32. The active compute (k experts
-per token) is the same at every E, so a sparse dispatch (ragged, capacity) should stay flat
-while the dense one (every expert on every token) grows linearly in E. The timed call is the
-jitted grad of sum(MoE(x) * cotangent) w.r.t. the layer's params and x; every (E, path)
-pair takes its turn in each round (A B C ... A B C ...).
+per token) is the same at every E, so a sparse dispatch (blocked, capacity; ragged but on CPU,
+where XLA computes ragged_dot densely) should stay flat while the dense one (every expert on
+every token) grows linearly in E. The timed call is the jitted grad of sum(MoE(x) * cotangent)
++ the load-balancing loss w.r.t. the layer's params and x; every (E, path) pair takes its turn
+in each round (A B C ... A B C ...).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def run(*, repeats: int = 5, quick: bool = False, requests: int = 16,
         # --quick: no warm-up; the untimed first load compiles the one prompt bucket it uses.
         with serving(ckpt, requests, max_len, Path(tmp) / "log", quick=quick,
                      warmup="none" if quick else "all") as url:
-            asyncio.run(_load(url, "/v1/completions", raw, new_tokens))  # compiles
+            asyncio.run(_load(url, "/v1/completions", raw, new_tokens))  # untimed
             runs: dict[str, list[float]] = {"parsed": [], "raw": []}
             for _ in range(repeats):
                 runs["raw"].append(asyncio.run(_load(url, "/v1/completions", raw, new_tokens)))

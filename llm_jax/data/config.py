@@ -21,7 +21,7 @@ ON_BAD_FILE = ("skip", "stop")
 class DataConfig:
     """Where the text comes from and how it is cut into batches (see run_config.py)."""
 
-    tfds_name: str = ""  # any TFDS text dataset by name; "" = local text files
+    tfds_name: str = ""  # any TFDS text dataset by name; "" = local text files or ArrayRecord
     text_key: str = "text"  # feature holding the text in a TFDS dataset
     tfds_train_split: str = "train"
     tfds_eval_split: str = ""  # "" = "validation" if the dataset has it, else "test"

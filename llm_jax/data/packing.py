@@ -11,7 +11,8 @@ starting the next row (with positions from 0 again). Rows carry, per token:
     segment_ids      int32 [T]   1, 2, ... per document in the row; 0 = padding
 
 The model attends only within a nonzero segment, and the loss ignores targets of segment 0;
-padding is only ever the tail of the last row of a finite (eval) split.
+padding is only ever the tail of the last row of a finite (eval) split, and the empty rows
+that fill out its last batch (pipeline.eval_dataset).
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ R = `shuffle_buffer_tokens // T` rows (a tf.data-style shuffle buffer, as Grain'
 shuffle); the read-ahead thread fills the next window while the current one is trained on, so
 the trainer does not wait for a whole window at once.
 
-Nothing is tokenized ahead or kept, so memory does not grow with the corpus (measured: 231 MB
-RSS streaming 20 MB of text, 244 MB for 2 GB; docs/benchmarks.md). The order is a function of
-(shuffle_seed, process index and count); tokenizing in workers gives the same batches as in the
-main process, because the stateful steps (packing, the row shuffle) run after them.
+Nothing is tokenized in advance or kept (a few documents and batches are buffered), so memory
+does not grow with the corpus (measured: 231 MB RSS streaming 20 MB of text, 244 MB for 2 GB;
+docs/benchmarks.md). The order is a function of (shuffle_seed, process index and count);
+tokenizing in workers gives the same batches as in the main process, because the stateful steps
+(packing, the row shuffle) run after them.
 Evaluation: the process's share of the eval split in stored order, packed the same way; exactly
 `num_batches` batches per process, padded with empty rows (segment 0) if the share runs out,
 so that every process takes part in every eval step.

@@ -1,7 +1,8 @@
 """The documents of a run, and each process's share of them, read by random access.
 
-Three kinds of data (DataConfig), all read by random access without TensorFlow and with
-nothing read up front; each kind is a `TextSplits` (name, share, texts, describe):
+Three kinds of data (DataConfig), all read by random access without TensorFlow, a document
+only when the pipeline asks for it (a named TFDS dataset is built once first; ArrayRecord shards'
+footers are read for their counts); each kind is a `TextSplits` (name, share, texts, describe):
 - local text files, by default the standard library, read where they lie (`LocalFiles`,
   local_text.py);
 - a TFDS dataset by name (`tfds_name`, built with file_format="array_record"; `TfdsSplits`);

@@ -68,7 +68,8 @@ class TaskConfig:
     seed: int = doc_field(0, "the examples drawn (generators), the train order of each epoch "
                              "(jsonl)")
     eval_fraction: float = doc_field(0.1, "share of problems held out, by the prompt's hash")
-    eval_size: int = doc_field(200, "held-out examples evaluated (jsonl: 0 = every held-out row)")
+    eval_size: int = doc_field(200, "held-out examples in the eval split (generators: 0 = none; "
+                                    "jsonl: 0 = every held-out row)")
     sft_examples: int = doc_field(4096, "train examples the SFT warm-up renders (jsonl: at most "
                                         "its rows)")
     files: str = doc_field("", "jsonl: glob of JSONL files, one {prompt_key, answer_key} a line")

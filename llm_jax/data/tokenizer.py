@@ -150,7 +150,7 @@ class Tokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the model: keys caches of token ids made with it."""
+        """A short hash of the model: names it in the data pipeline's resume identity."""
         return hashlib.sha256(self._proto).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:

@@ -1,6 +1,7 @@
 """The lm-evaluation-harness model "llm_jax": any checkpoint `load_pretrained` reads, scored with
 llm_jax/inference/scoring.py and generating with the continuous-batching engine
-(llm_jax/inference/completions.py). Needs the `eval` extra (`pip install -e ".[eval]"`).
+(llm_jax/inference/engine.py, driven by llm_jax/inference/completions.py). Needs the `eval`
+extra (`pip install -e ".[eval]"`).
 
     python -m llm_jax.eval --model llm_jax --model_args checkpoint=DIR,max_length=2048 \
         --tasks hellaswag --output_path results/

@@ -40,7 +40,7 @@ class GenerationRequest:
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """What a request produced: its text (cut at a stop string), its new token ids (a stop token
-    excluded) and why it ended ("stop" or "length")."""
+    excluded) and why it ended ("stop" or "length"; "error" if `decode` raised)."""
 
     text: str
     tokens: list[int]

@@ -239,10 +239,11 @@ class Engine:
 
     def warmup(self, prompt_buckets: list[int] | None = None,
                modes: tuple[int, ...] = SAMPLING_MODES) -> None:
-        """Compiles the decode step and the prefill of 1 and max_prefill prompts for each
+        """Compiles the decode step and the prefill of 1 and `prefill_rows` prompts for each
         bucket (default: all) in each sampling mode (default: all three, so that no request
-        waits for a compile: an API request's default temperature 1 is the sampled mode), writing
-        nothing: every row aims past the pool."""
+        waits for a compile: an API request's default temperature 1 is the sampled mode). The
+        prefills write nothing (every row aims past the pool); the decode steps write only the
+        idle rows, which a prefill overwrites before they are used."""
         rows = sorted({1, self.prefill_rows})
         for mode in modes:
             for p in prompt_buckets or self.prompt_buckets():

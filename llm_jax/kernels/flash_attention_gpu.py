@@ -13,7 +13,8 @@ cotangent they would need), so gpt-oss training would otherwise fall back to T x
   acc = 0, as if the sink were a key with value zero. Saves o and lse = m + log l.
 - The mask is rebuilt from positions and segment ids inside each block, so any positions work
   (not only arange) and the window may be traced data (the scanned layers); a key block whose
-  positions the whole query block cannot see (past, or out of the window) is skipped by `cond`.
+  positions the whole query block cannot see (after its last query, or out of the window) is
+  skipped by `cond`.
 - Backward (FlashAttention-2): delta = rowsum(o . do) outside; a dq kernel per query block and a
   dk/dv kernel per key block and q head, recomputing p = exp(s - lse); dk, dv of the G q heads
   sharing a kv head are summed afterwards. d(sinks)_n = -sum exp(sink_n - lse) delta, the

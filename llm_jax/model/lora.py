@@ -3,7 +3,7 @@
 Shapes: L layers, D hidden, N q heads, K kv heads, H head_dim, E experts, F intermediate, r rank.
 
 `add_lora(model, ...)` attaches `LoRAParam`s `<name>_lora_a` / `<name>_lora_b` next to a stacked
-weight in `model.layers.attn` / `model.layers.mlp`; `Attention` and `MoE` read every weight
+weight in `model.layers.attn` / `model.layers.mlp`; `Attention` and `MoE` read every target weight
 through `adapted(module, name)`, so training, evaluation, prefill and decode all see the adapters
 and there is no second copy of the layer math. B starts at zero, so step 0 equals the base
 exactly. Per expert, A and B carry the expert axis: each expert gets its own low-rank update.

@@ -2,7 +2,7 @@
 
 `jnp.einsum` on two bfloat16 arrays returns bfloat16, and XLA:CPU lowers that dot as converts
 to float32 around a float32 matmul. The same operands asking for a float32 result run YNNPACK's
-bfloat16 kernel instead, about 2x the float32 matmul's rate on an AVX2 CPU (docs/benchmarks.md),
+bfloat16 kernel instead, about 1.8x the float32 matmul's rate on an AVX2 CPU (docs/benchmarks.md),
 with the same numbers: products of bfloat16 are exact in float32, and both accumulate in
 float32 before the one rounding to bfloat16. JAX's own gradient of such a dot would multiply a
 float32 cotangent by a bfloat16 operand: the slow path on CPU, and a float32 matmul on GPU. So

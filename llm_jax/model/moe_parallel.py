@@ -121,10 +121,10 @@ def gate_up_blocked(w: ExpertWeights, rows: int, devices: int, tp: int
 
 def exchange_width(hidden: int, kernel: str | None, expert_devices: int, w: ExpertWeights,
                    rows: int, tp: int = 1) -> int:
-    """The width of the rows the expert-parallel dispatch exchanges: `hidden`, or on TPU
-    (megablox) over an expert axis with dense stacks, `hidden` rounded up to whole 128-lane
-    tiles where a device's `rows` received outweigh its padded weights (so training batches,
-    not decoding steps).
+    """The width of the rows the expert-parallel dispatch exchanges: `hidden`, or with the
+    megablox kernel (TPU's) over an expert axis with dense stacks, `hidden` rounded up to whole
+    128-lane tiles where a device's `rows` received outweigh its padded weights (so training
+    batches, not decoding steps).
 
     Why: XLA:TPU lays an all_to_all's operand out without partial lane tiles. For gpt-oss's
     D = 2,880 (22.5 tiles) that puts the rows minor, so every exchange of an [R, D] buffer was a

@@ -10,11 +10,11 @@ packed model computes exactly the function of the same model dequantized (docs/m
 `PackedExperts` holds one expert stack as the checkpoint's codes and scales, reordered so that
 the output axis is the minor one (an export writes back the bytes that were read), and behaves
 like the dense [E, in, out] stack it stands for where the MoE dispatches need it: `w[e]` picks
-experts (still packed) and `dense(w, dtype)` unpacks what is left, so each dispatch unpacks only
-what it multiplies (the chosen experts, one block's expert, or one device's experts). A LoRA adapter over a packed,
-frozen stack rides along (`lora_a`, `lora_b`): applied beside the unpacked experts
-(`experts.expert_einsum`) or added to them (`unpacked`), so the adapter's gradient flows through
-exactly the experts a token used.
+experts (still packed) and `dense(w)` unpacks what is left (in its compute dtype), so each
+dispatch unpacks only what it multiplies (the chosen experts, one block's expert, or one device's
+experts). A LoRA adapter over a packed, frozen stack rides along (`lora_a`, `lora_b`): applied
+beside the unpacked experts (`experts.expert_einsum`) or added to them (`unpacked`), so the
+adapter's gradient flows through exactly the experts a token used.
 
 Shapes: E experts, I input (the quantized axis), O output, G = I / 32 blocks, r LoRA rank.
 """

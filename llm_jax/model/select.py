@@ -1,6 +1,7 @@
 """Which attention and MoE implementation a run uses: one table per backend, `auto` by default.
 The one place that picks implementations: `attention_impl` for the layer's attention, `auto_moe`
-and `moe_impl` for the MoE dispatch (`model/moe_dispatch.py` runs what they name). How a chosen
+for the MoE dispatch's `auto` (`moe_dispatch.select_dispatch` runs it, or the configured one or
+its exact fallback; `moe_impl` names the choice in reports, `kernels_line`). How a chosen
 implementation runs on the platform (kernels native or interpreted, the CPU-only workarounds) is
 `runtime.backend.plan`'s, the one table of those.
 

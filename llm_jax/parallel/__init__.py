@@ -1,1 +1,2 @@
-"""Running on many devices: the mesh and logical-axis rules, multi-host start-up, AOT compiling."""
+"""Running on many devices: the mesh and logical-axis rules, multi-host start-up, a compiled
+step's roofline."""

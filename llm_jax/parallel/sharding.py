@@ -3,8 +3,8 @@
 Every parameter carries logical names (`embed`, `heads`, `experts`, ...) in its `out_sharding`
 metadata, and the model marks its key activations with `constrain(x, names)`; `RULES` says which
 mesh axes each name is split over. Mesh axes: `data` (batch), `fsdp` (batch and weights),
-`tensor` (heads, mlp, vocab), `expert` (experts, and with `fsdp` the `embed` of the weights
-that are not experts; the batch outside the MoE layers). With one device every axis has size 1
+`tensor` (heads, mlp, vocab), `expert` (experts, the batch, and with `fsdp` the `embed` of the
+weights that are not experts). With one device every axis has size 1
 and everything is replicated, so the same code runs on a laptop and a pod.
 
 Axis types are Auto: XLA propagates shardings from the annotated params, batch and activation

@@ -159,8 +159,8 @@ def _id(prefix: str) -> str:
 
 
 class Output:
-    """A reply's output items and, streamed, its events. `item_ids` and the event counter live
-    here; `response()` is the Response object at any moment."""
+    """A reply's output items and, streamed, its events. The item ids (`ids`) and the event
+    counter (`seq`) live here; `response()` is the Response object at any moment."""
 
     def __init__(self, body: ResponsesRequest, model: str, items: list[Item],
                  harmony: bool):

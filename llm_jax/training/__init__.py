@@ -1,1 +1,2 @@
-"""Training: the run config, the pure train/eval steps, checkpoints, signals, metrics."""
+"""Training: the run config, the loop and its pure train/eval steps, fine-tuning, DPO, RL,
+ahead-of-time compiles, signals, metrics."""

@@ -4,8 +4,8 @@
 a run config's `model` field left `None` (configs/finetune_*.py) takes the checkpoint's value;
 a set field must equal it unless it is a conversion of the weights at load
 (`llm_jax.weights.configs.LOAD_CONVERSIONS`: dtype, param_dtype, expert_format), so a changed
-shape is refused by name. How the model runs is the run config's `execution` section, never the checkpoint's. A
-resumed run takes the model config (and params) from its own checkpoint.
+shape is refused by name. How the model runs is the run config's `execution` section, never
+the checkpoint's. A resumed run takes the model config (and params) from its own checkpoint.
 
 QLoRA: `model.expert_format` left None keeps the checkpoint's format, so gpt-oss as released
 loads with its MoE experts packed in MXFP4 (frozen `PackedParam`s) and LoRA (lora.rank > 0)

@@ -10,10 +10,11 @@ G completions of each sampled by the engine (inference/engine.py) on the current
 token's log-prob and MoE routing recorded (training/rollouts.py); each completion scored by the
 weighted rewards (training/rewards.py) on its reply (harmony's final channel on a harmony
 tokenizer); group advantages (training/policy_loss.py); the rollout policy's log-probs computed
-once by the trainer (`old_logp`, the routing replayed) and the reference's when rl.beta > 0; then
-rl.updates_per_rollout optimizer steps of the policy objective on that one batch (training/
-rl_step.py), each with ratios against the rollout. The engine then decodes with the updated
-arrays (`Engine.set_weights`: no copy). Every row is padded to T, so the step compiles once.
+once by the trainer (`old_logp`, the routing replayed with rl.replay) and the reference's when
+rl.beta > 0; then rl.updates_per_rollout optimizer steps of the policy objective on that one
+batch (training/rl_step.py), each with ratios against the rollout. The engine then decodes with
+the updated arrays (`Engine.set_weights`: no copy, bar the per-layer slices a platform that
+slices before decoding takes). Every row is padded to T, so the step compiles once.
 
 The reference policy (rl.beta > 0) is the base with its adapters zeroed under LoRA (no second
 copy), else a frozen copy of the initial params. The MoE runs dropless: a dispatch that drops

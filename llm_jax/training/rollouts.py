@@ -7,9 +7,9 @@ completion - 1: inputs and targets are the sequence shifted by one), L layers, k
 token.
 
 The engine and the train step share one copy of the weights: `Engine.set_weights(model)` after
-each optimizer update hands the engine the updated arrays (no transfer, no reshard). Each
-completion draws from its own seed, derived from the step's seed, so a rollout is reproduced
-exactly by the same weights and seed.
+each RL step's optimizer updates hands the engine the updated arrays (no transfer, no
+reshard). Each completion draws from its own seed, derived from the step's seed, so a rollout
+is reproduced exactly by the same weights and seed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The run config: model, execution, data, train and checkpoint sections in one ml_collections
-ConfigDict.
+"""The run config: its sections (model, execution, data, train, sft, dpo, lora, rl, mesh,
+distributed, checkpoint, task) in one ml_collections ConfigDict.
 
 `configs/*.py` return it from `get_config()`; the CLI loads it with `--config` and overrides any
 field as `--config.train.num_steps=10`. The `model` section holds exactly the fields of
@@ -66,7 +66,8 @@ def _model(model: ModelConfig) -> ml_collections.ConfigDict:
 
 # Each section: field -> (default, what it controls). The doc is describe's line for the field.
 _DATA = {
-    "tfds_name": ("", "TFDS text dataset by name, e.g. 'lm1b' (needs internet); '' = local text"),
+    "tfds_name": ("", "TFDS text dataset by name, e.g. 'lm1b' (needs internet); '' = local text "
+                      "files or array_record_train"),
     "text_key": ("text", "feature holding the text in a TFDS dataset"),
     "tfds_train_split": ("train", "TFDS split to train on"),
     "tfds_eval_split": ("", "TFDS split to evaluate on ('' = validation if it exists, else test)"),
@@ -89,7 +90,7 @@ _DATA = {
 
 _TRAIN = {
     "num_steps": (1000, "optimizer steps"),
-    "batch_size": (8, "global batch in sequences: tokens per step = batch x seq_len"),
+    "batch_size": (8, "global batch in sequences of seq_len tokens (dpo: in pairs; rl: unread)"),
     "grad_accum_steps": (1, "micro-batches per step: the same batch, 1/n the activations"),
     "learning_rate": (3e-3, "peak learning rate"),
     "warmup_steps": (100, "linear warm-up steps"),
@@ -104,7 +105,8 @@ _TRAIN = {
     "eval_every_steps": (200, "steps between evaluations"),
     "eval_batches": (8, "batches per evaluation"),
     "num_samples": (3, "samples generated and logged at the end of the run"),
-    "peak_flops": (0.0, "MFU denominator in FLOP/s (0 = measure a matmul at start-up)"),
+    "peak_flops": (0.0, "MFU denominator in FLOP/s (0 = the machine's matmul peak, cached; "
+                       "measured at start-up if none is)"),
     # A step whose loss or gradient norm is not finite stops the run, naming the step and the
     # last good checkpoint, unless this is set (docs/reliability.md).
     "skip_nonfinite_updates": (False, "skip a non-finite step's update (params and moments "
@@ -269,8 +271,9 @@ def _type_ok(value, default) -> bool:
 
 def validate_run_config(cfg: ml_collections.ConfigDict) -> None:
     """Refuses unknown sections or fields, wrong types and out-of-range or conflicting values,
-    naming the field (`model` is checked by ModelConfig, `execution` also by ExecutionConfig,
-    `data` also by DataConfig)."""
+    naming the field; `execution` is also checked by ExecutionConfig here. `model` is left to
+    ModelConfig (`model_config`), and `data` is checked again by DataConfig where pre-training
+    data is opened."""
     reference = default_run_config(str(cfg.get("name", "")), ModelConfig())
     unknown = sorted(set(cfg.keys()) - set(reference.keys()))
     if unknown:
