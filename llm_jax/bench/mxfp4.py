@@ -316,7 +316,8 @@ def run(*, directory: str | None, quick: bool, layers: int | None, prompt_len: i
         cfg = quick_model_config().replace(dtype="bfloat16", param_dtype="bfloat16")
         # 256 new tokens: enough decode steps that their time stands clear of a loaded
         # machine's noise (15 did not: sample(16) measured faster than sample(1)).
-        prompt_len, new_tokens, batches, lora_seq, lora_rank = 32, 256, (1, 4), 16, 4
+        prompt_len, new_tokens, batches, lora_rank = 32, 256, (1, 4), 4
+        lora_seq = 16 if lora_seq else 0  # --lora_seq 0 still skips the QLoRA step
         decode_prompt_len = 8
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
