@@ -44,7 +44,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--top_p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eos_id", type=int, default=None,
-                   help="stop token (default: the tokenizer's EOS; -1 = never stop early)")
+                   help="stop token (default: the tokenizer's stop tokens; -1 = never stop "
+                   "early)")
     p.add_argument("--adapters", default=None,
                    help="LoRA adapters directory to load onto the checkpoint (not merged)")
     p.add_argument("--dtype", type=float_dtype, default=None,
@@ -96,8 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"integers like 1,2,3") from None
         if not prompts:
             raise ValueError("give at least one --prompt, --prompt_file or --prompt_ids")
-        eos = args.eos_id if args.eos_id is not None else (tok.eos_id if tok else None)
-        eos = None if eos is not None and eos < 0 else eos
+        if args.eos_id is not None:
+            eos = None if args.eos_id < 0 else args.eos_id
+        else:  # every stop token of the checkpoint (gpt-oss: <|return|>, <|call|>, ...)
+            eos = sorted(tok.stop_ids) if tok and tok.stop_ids else None
         decode = tok.decode if tok else text_decoder(None)
         stream = None
         if len(prompts) == 1 and not args.no_stream:

@@ -345,7 +345,8 @@ class Engine:
 
     def _accept(self, seq: Sequence, token: int, logprob: float | None = None) -> None:
         """Records one new token (and its log-prob when recording); finishes the sequence at a
-        stop token, its length or when the listener says so."""
+        stop token, its length, when the listener says so, or ("error") when the listener
+        raises."""
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
         if logprob is not None:

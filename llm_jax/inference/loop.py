@@ -5,8 +5,8 @@ Shapes: B batch, P prompt time (padded), N new tokens (padded), S cache slots, V
 Prompts are right-padded; every sequence has its own positions 0..len-1 and its own write
 position while decoding. Both phases run the model's own `hidden_states` with a KV cache
 (model/kv_cache.py), so generation computes exactly what training and evaluation compute. The
-loop samples on device and stops when every sequence has met `eos_id` or `max_new` tokens are
-made; the only host traffic per token is the optional streaming callback.
+loop samples on device and stops when every sequence has met one of its stop ids (`eos_id`) or
+`max_new` tokens are made; the only host traffic per token is the optional streaming callback.
 """
 
 from __future__ import annotations
@@ -90,6 +90,16 @@ class Plan:
     mesh: Mesh | None
 
 
+# Stop ids a program takes (gpt-oss has three: <|return|>, <|call|>, <|endoftext|>), padded with
+# -1: one shape, so any set of them runs the same compiled program.
+MAX_STOPS = 8
+
+
+def is_stop(tokens_B: jax.Array, stops: jax.Array) -> jax.Array:
+    """Whether each token is one of the stop ids (int32 [MAX_STOPS], -1 where unused)."""
+    return jnp.any(tokens_B[:, None] == stops[None, :], axis=-1)
+
+
 def generate_program(graphdef, state, prompts_BP, lengths_B, max_new, key, temperature, top_k,
                      top_p, eos_id, *, plan: Plan, emit: StreamFn | None = None):
     """(new tokens [B, N], how many each row made [B], logits [B, N, V] or None), traced under
@@ -126,7 +136,7 @@ def _generate(graphdef, state, prompts_BP, lengths_B, max_new, key, temperature,
                   if plan.return_logits else None)
     stream(0, first, jnp.ones((b,), bool))
     made_B = jnp.ones((b,), jnp.int32)
-    done_B = first == eos_id
+    done_B = is_stop(first, eos_id)
 
     def cond(s):
         t, *_, done, _ = s
@@ -144,7 +154,7 @@ def _generate(graphdef, state, prompts_BP, lengths_B, max_new, key, temperature,
         if lg is not None:
             lg = lg.at[:, t].set(logits)
         made = made + (~done).astype(jnp.int32)
-        return t + 1, out, lg, made, done | (tok == eos_id), cache
+        return t + 1, out, lg, made, done | is_stop(tok, eos_id), cache
 
     _, out_BN, logits_BNV, made_B, _, _ = jax.lax.while_loop(
         cond, body, (jnp.asarray(1), out_BN, logits_BNV, made_B, done_B, cache))

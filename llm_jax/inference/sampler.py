@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from llm_jax.config import ModelConfig
-from llm_jax.inference.loop import Plan, StreamFn, bucket, generate_jit
+from llm_jax.inference.loop import MAX_STOPS, Plan, StreamFn, bucket, generate_jit
 
 
 def _as_prompts(prompt_ids: Any) -> tuple[list[list[int]], bool]:
@@ -65,13 +65,28 @@ def _check_args(prompts: list[list[int]], vocab: int, max_new_tokens: Any, tempe
         raise ValueError(f"top_k={top_k!r} is invalid: expected an integer >= 0 (0 = off)")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r} is invalid: expected a number in (0, 1] (1 = off)")
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer))
-                               or not 0 <= eos_id < vocab):
-        raise ValueError(f"eos_id={eos_id!r} is invalid: expected None or an id in [0, {vocab})")
+    ids = [eos_id] if isinstance(eos_id, (int, np.integer)) else eos_id
+    if ids is not None and (
+            isinstance(eos_id, bool) or isinstance(ids, (str, bytes))
+            or not isinstance(ids, Sequence | set | frozenset) or not 1 <= len(ids) <= MAX_STOPS
+            or any(isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                   or not 0 <= i < vocab for i in ids)):
+        raise ValueError(f"eos_id={eos_id!r} is invalid: expected None, an id or 1 to "
+                         f"{MAX_STOPS} ids in [0, {vocab})")
+
+
+def stop_ids_array(eos_id: int | Sequence[int] | None) -> jax.Array:
+    """The stop ids as the program takes them: int32 [MAX_STOPS], -1 where unused (no token is
+    -1), so any set of them runs the same compiled program."""
+    ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, (int, np.integer)) else eos_id
+    out = np.full((MAX_STOPS,), -1, np.int32)
+    out[:len(ids)] = sorted(ids)
+    return jnp.asarray(out)
 
 
 def program_inputs(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int,
-                   temperature: float, top_k: int, top_p: float, seed: int, eos_id: int | None,
+                   temperature: float, top_k: int, top_p: float, seed: int,
+                   eos_id: int | Sequence[int] | None,
                    return_logits: bool, *, max_len: int | None, cache_dtype: str | None,
                    mesh: Mesh | None) -> tuple[Plan, tuple[jax.Array, ...]]:
     """The checked, padded inputs of `generate_jit` after the weights: (its static plan, its
@@ -103,7 +118,7 @@ def program_inputs(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: i
             jax.random.key(seed), jnp.asarray(temperature, jnp.float32),
             jnp.asarray(min(int(top_k), cfg.vocab_size), jnp.int32),
             jnp.asarray(top_p, jnp.float32),
-            jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))
+            stop_ids_array(eos_id))
     return plan, args
 
 
@@ -115,7 +130,7 @@ def sample(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     return_logits: bool = False,
     *,
     max_len: int | None = None,
@@ -127,7 +142,8 @@ def sample(
 
     prompt_ids: one prompt (list of ints / 1-D array) or a batch (list of lists / 2-D array), the
       prompts may differ in length. temperature 0 = greedy; top_k 0 and top_p 1 = off.
-    eos_id: a sequence stops after producing it (it is included in the output).
+    eos_id: an id, or up to MAX_STOPS ids (a checkpoint's stop tokens: gpt-oss's `<|return|>`,
+      `<|call|>`, ...): a sequence stops after producing one (it is included in the output).
     max_len: cache slots (default: the padded prompt length + max_new_tokens, rounded to buckets);
       prompt + max_new_tokens must fit. cache_dtype: default the compute dtype.
     mesh: trace under this mesh: the cache and the activations are sharded by

@@ -248,6 +248,15 @@ def test_generation_stops_at_eos_and_includes_it(model):
     for f, o in zip(full, out):
         stop = f.index(eos) + 1 if eos in f else len(f)
         assert o == f[:stop]
+    # Several stop ids (a checkpoint's stop tokens): each row stops at the first of any, and a
+    # single id or several run the same compiled program.
+    before = generate_jit.for_platform()._cache_size()
+    stops = {full[1][6], full[2][3]}
+    out = tokens(model, PROMPTS, max_new_tokens=12, eos_id=stops)
+    for f, o in zip(full, out):
+        stop = min([f.index(t) + 1 for t in stops if t in f] or [len(f)])
+        assert o == f[:stop]
+    assert generate_jit.for_platform()._cache_size() == before
 
 
 def test_new_prompts_and_settings_in_one_bucket_reuse_the_compiled_program(model):
@@ -323,6 +332,10 @@ def test_bfloat16_cache_stays_close_to_float32(model):
     (dict(prompt_ids=[1, 2], max_new_tokens=0), "max_new_tokens"),
     (dict(prompt_ids=[1, 2], top_k=-1), "top_k"),
     (dict(prompt_ids=[1, 2], eos_id=V), "eos_id"),
+    (dict(prompt_ids=[1, 2], eos_id=[1, V]), "eos_id"),
+    (dict(prompt_ids=[1, 2], eos_id=list(range(9))), "eos_id"),
+    (dict(prompt_ids=[1, 2], eos_id=[]), "eos_id"),
+    (dict(prompt_ids=[1, 2], eos_id=True), "eos_id"),
     (dict(prompt_ids="def fib("), "prompt_ids"),
 ])
 def test_bad_input_raises_value_error_naming_the_argument(model, kwargs, names):
