@@ -11,7 +11,8 @@ from pathlib import Path
 
 def write_atomically(dst: str | Path, write: Callable[[Path], object]) -> Path:
     """`write(tmp)` into a temporary sibling of `dst`, then renamed into place: a failure leaves
-    `dst` as it was (the temporary is removed on an error)."""
+    `dst` as it was (the temporary is removed on an error). The one case that cannot, a rename
+    back that fails too, keeps the previous `dst` in a hidden sibling and names it."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
@@ -23,11 +24,15 @@ def write_atomically(dst: str | Path, write: Callable[[Path], object]) -> Path:
             os.replace(dst, aside / dst.name)
             try:
                 os.replace(tmp, dst)
-            except BaseException:
-                os.replace(aside / dst.name, dst)
+            except BaseException as e:  # interrupts too: the old one goes back in every case
+                try:
+                    os.replace(aside / dst.name, dst)
+                except OSError as back:  # kept where it is: never deleted
+                    raise OSError(f"{dst} could not be replaced ({e}) nor put back ({back}): "
+                                  f"the previous {dst.name} is in {aside / dst.name}") from e
+                aside.rmdir()
                 raise
-            finally:
-                shutil.rmtree(aside, ignore_errors=True)
+            shutil.rmtree(aside)
         else:
             os.replace(tmp, dst)
     finally:

@@ -43,3 +43,14 @@ def test_a_failed_write_or_rename_leaves_the_old_directory_as_it_was(tmp_path, m
     with pytest.raises(OSError, match="rename refused"):
         write_atomically(dst, _write("new"))
     assert (dst / "a.txt").read_text() == "old" and os.listdir(tmp_path) == ["out"]
+
+    def refuse_both(src, target):  # ... and the rename of the old one back fails as well
+        if ".tmp-" in str(src) or ".old-" in str(src):
+            raise OSError("rename refused")
+        real(src, target)
+
+    monkeypatch.setattr(files.os, "replace", refuse_both)
+    with pytest.raises(OSError, match="nor put back .* the previous out is in") as e:
+        write_atomically(dst, _write("new"))
+    kept = e.value.args[0].rsplit(" is in ", 1)[1]
+    assert open(os.path.join(kept, "a.txt")).read() == "old"  # never deleted
