@@ -23,6 +23,7 @@ from llm_jax.runtime.malloc import use_preferred_malloc
 if __name__ == "__main__":  # first: a restart under the preferred malloc re-imports nothing heavy
     use_preferred_malloc()
 
+from llm_jax.inference.loop import MAX_STOPS
 from llm_jax.inference.sampler import sample
 from llm_jax.inference.text import TextStream, text_decoder
 from llm_jax.runtime.cli import ArgumentParser, float_dtype
@@ -99,8 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("give at least one --prompt, --prompt_file or --prompt_ids")
         if args.eos_id is not None:
             eos = None if args.eos_id < 0 else args.eos_id
-        else:  # every stop token of the checkpoint (gpt-oss: <|return|>, <|call|>, ...)
-            eos = sorted(tok.stop_ids) if tok and tok.stop_ids else None
+        else:  # every stop token of the checkpoint (gpt-oss: <|return|>, <|call|>, ...) that
+            # the model can produce (a tokenizer may hold ids past the embedding table)
+            eos = sorted(i for i in (tok.stop_ids if tok else ()) if i < model.cfg.vocab_size)
+            if len(eos) > MAX_STOPS:
+                raise ValueError(f"the checkpoint's tokenizer has {len(eos)} stop tokens "
+                                 f"({eos[:MAX_STOPS + 1]}...), more than the {MAX_STOPS} "
+                                 "generation takes: pass --eos_id N to stop at one")
+            eos = eos or None
         decode = tok.decode if tok else text_decoder(None)
         stream = None
         if len(prompts) == 1 and not args.no_stream:

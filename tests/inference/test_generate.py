@@ -382,6 +382,15 @@ def test_cli_encodes_text_with_a_hugging_face_checkpoints_tokenizer_json(tmp_pat
                                   eos_id=tok.token_to_id("<|end|>"))
     assert row["text"] == tok.decode(row["ids"], skip_special_tokens=False)
     assert row["text"] in capsys.readouterr().out
+    # A stop id past the model's vocabulary can never be produced: left out, same reply.
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [10_000]}))
+    assert main(["--checkpoint", str(ckpt), "--prompt", prompt, "--max_new_tokens", "6",
+                 "--no_stream", "--output_json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text()) == [row]
+    # More stop tokens than the program takes: refused, pointing at --eos_id.
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(9))}))
+    assert main(["--checkpoint", str(ckpt), "--prompt", prompt]) == 2
+    assert "pass --eos_id" in capsys.readouterr().err
     missing = tmp_path / "no_such_dir" / "out.json"
     assert main(["--checkpoint", str(ckpt), "--prompt", prompt, "--output_json",
                  str(missing)]) == 2
