@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"({eos[:MAX_STOPS + 1]}...), more than the {MAX_STOPS} "
                                  "generation takes: pass --eos_id N to stop at one")
             eos = eos or None
-        decode = tok.decode if tok else text_decoder(None)
+        decode = text_decoder(tok)  # ids past the tokenizer's vocabulary show as <id:N>
         stream = None
         if len(prompts) == 1 and not args.no_stream:
             stream = TextStream(decode, prefix=texts[0] if texts else args.prompt_ids[0])
