@@ -111,9 +111,10 @@ def sample_text(params: Any, cfg: ModelConfig, data: Any, *, seed: int,
         ids = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in shown]  # documents start so
     if not ids:
         return []
-    tokens = getattr(tokenizer, "harmony", None)  # a harmony reply ends its turn with <|return|>
+    tokens = getattr(tokenizer, "harmony", None)  # a harmony reply ends its turn with
+    # <|return|>, or with <|call|> for a tool call
     out = sample(model, list(ids), max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
-                 seed=seed, eos_id=tokenizer.eos_id if tokens is None else tokens.return_)
+                 seed=seed, eos_id=tokenizer.eos_id if tokens is None else sorted(tokens.stops))
     return [p + tokenizer.decode(list(o)) for p, o in zip(shown, out)]
 
 
